@@ -1,0 +1,346 @@
+"""The context manager: attaches hooks to a model, owns the per-layer state, and detaches on exit or error.
+
+Data flow of one forward: the decoder pre-hook fixes the inputs for the compacted cache (true or compact
+position ids, a 2-D mask in the physical slot layout); each full-attention module's forward hook scores the
+slots, appends the scores to its layer state and, once the layer is over budget, evicts (gather + optional
+rerotation); the decoder post-hook commits the new slot layout that every layer now shares.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import defaultdict
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from .adapters import ModelLayout, inspect_model, value_projection_weight
+from .cache import check_supported_cache, compact_layer
+from .parameters import KVCacheCompressionMode, KVCacheCompressionParameters
+from .rerotation import check_rerotation_supported, rotate_keys
+from .scoring.aggregation import head_eviction_scores
+from .scoring.attention import observation_counts, observed_attention
+from .scoring.value_norm import projected_value_l1
+from .selection.windows import left_aligned_indices, select_keep_mask
+from .state import LayerState, SequenceState
+
+_ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+class KVCacheCompressor:
+    """Compress the KV cache of a transformers model while it runs.
+
+    >>> with KVCacheCompressor(eviction_parameters=params)(model):
+    ...     model.generate(**inputs)
+    """
+
+    def __init__(self, eviction_parameters: KVCacheCompressionParameters | Mapping[str, Any] | None = None):
+        if eviction_parameters is None:
+            eviction_parameters = KVCacheCompressionParameters()
+        elif isinstance(eviction_parameters, Mapping):
+            eviction_parameters = KVCacheCompressionParameters.from_dict(eviction_parameters)
+        elif not isinstance(eviction_parameters, KVCacheCompressionParameters):
+            raise TypeError(
+                "eviction_parameters must be a KVCacheCompressionParameters or a mapping of its fields, got "
+                f"{type(eviction_parameters).__name__}"
+            )
+        self.parameters = eviction_parameters
+
+    def __call__(self, model: nn.Module) -> "CompressionSession":
+        return CompressionSession(model, self.parameters)
+
+
+class CompressionSession:
+    """One attachment of a compressor to one model; use it as a context manager."""
+
+    def __init__(self, model: nn.Module, parameters: KVCacheCompressionParameters):
+        self.model = model
+        self.parameters = parameters
+        self.layout: ModelLayout | None = None
+        self.sequence: SequenceState | None = None
+        self.layers: dict[int, LayerState] = {}
+        self.timings: dict[str, float] = defaultdict(float)
+        self._handles: list[Any] = []
+        self._pending_layout: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "CompressionSession":
+        if self.model in _ACTIVE_MODELS:
+            raise RuntimeError(
+                f"a KVCacheCompressor is already attached to this {type(self.model).__name__}; nested or concurrent "
+                "compression of one model is not supported"
+            )
+        layout = inspect_model(self.model)
+        if self.parameters.rerotate_keys:
+            if layout.sliding_layers:
+                raise ValueError(
+                    "rerotate_keys=True is not supported for models with sliding-window layers: their keys keep "
+                    "true positions while compressed layers would use compact ones"
+                )
+            check_rerotation_supported(layout.rotary_emb, type(self.model).__name__)
+        self.layout = layout
+        try:
+            self._handles.append(
+                layout.decoder.register_forward_pre_hook(self._before_decoder, with_kwargs=True)
+            )
+            self._handles.append(layout.decoder.register_forward_hook(self._after_decoder, with_kwargs=True))
+            for index, module in enumerate(layout.attention_modules):
+                if index not in layout.sliding_layers:
+                    self._handles.append(module.register_forward_hook(self._after_attention, with_kwargs=True))
+        except BaseException:
+            self._detach()
+            raise
+        _ACTIVE_MODELS.add(self.model)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.sequence = None
+        self.layers.clear()
+        self._pending_layout = None
+        _ACTIVE_MODELS.discard(self.model)
+
+    @property
+    def compressed_layers(self) -> list[int]:
+        return [i for i in range(len(self.layout.attention_modules)) if i not in self.layout.sliding_layers]
+
+    # ------------------------------------------------------------------ decoder hooks
+    def _before_decoder(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not self.compressed_layers:
+            return None
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        batch, length = tokens.shape[:2]
+        if length == 0:
+            raise ValueError("kvcompress: the input has no tokens (empty prompt); give at least one token")
+        cache_key = "past_key_values" if "past_key_values" in kwargs and "cache" not in kwargs else "cache"
+        cache = kwargs.get(cache_key)
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(module.config, "use_cache", True)
+        if cache is None:
+            if not use_cache:
+                self.sequence = None
+                return None
+            cache = DynamicCache(config=module.config)
+            kwargs[cache_key] = cache
+        check_supported_cache(cache)
+        physical = self._physical_length(cache)
+        device = tokens.device
+        if physical == 0:
+            self._start_sequence(cache, batch, device)
+        self._check_in_sync(cache, batch, physical)
+        sequence = self.sequence
+
+        mask = kwargs.get("attention_mask")
+        new_valid = self._new_token_validity(mask, batch, length, (sequence.total, physical), device)
+        offsets = new_valid.long().cumsum(-1) - 1
+        true_positions = (sequence.seen[:, None] + offsets).clamp(min=0)
+        if self.parameters.rerotate_keys:
+            positions = (sequence.live[:, None] + offsets).clamp(min=0)
+            kwargs["position_ids"] = positions
+        elif kwargs.get("position_ids") is None:
+            positions = true_positions
+            kwargs["position_ids"] = positions
+        else:
+            positions = kwargs["position_ids"].expand(batch, -1)
+        layout = torch.cat([sequence.slot_valid, new_valid], dim=-1)
+        if bool(layout.all()):
+            kwargs["attention_mask"] = None
+        elif self.layout.sliding_layers and sequence.total != physical:
+            raise NotImplementedError(
+                "kvcompress: padded batches on models with sliding-window layers (Gemma 2/3, windowed Mistral / "
+                "Qwen) are not supported after eviction; run the sequences one at a time"
+            )
+        else:
+            kwargs["attention_mask"] = layout.to(mask.dtype if mask is not None else torch.long)
+        sequence.forward_valid = new_valid
+        sequence.forward_positions = positions.to(torch.long)
+        sequence.forward_true_positions = true_positions
+        self._pending_layout = None
+        return args, kwargs
+
+    def _after_decoder(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        sequence = self.sequence
+        if sequence is None or sequence.forward_valid is None:
+            return
+        new_valid = sequence.forward_valid
+        sequence.seen = sequence.seen + new_valid.sum(-1)
+        sequence.total += new_valid.shape[-1]
+        if self._pending_layout is not None:
+            sequence.slot_valid = self._pending_layout
+            sequence.evictions += 1
+        else:
+            sequence.slot_valid = torch.cat([sequence.slot_valid, new_valid], dim=-1)
+        sequence.forward_valid = sequence.forward_positions = sequence.forward_true_positions = None
+        self._pending_layout = None
+
+    def _start_sequence(self, cache: DynamicCache, batch: int, device: torch.device) -> None:
+        self.layers.clear()
+        self.sequence = SequenceState(
+            cache_id=id(cache),
+            seen=torch.zeros(batch, dtype=torch.long, device=device),
+            slot_valid=torch.zeros(batch, 0, dtype=torch.bool, device=device),
+        )
+        _guard_cache(cache, self)
+
+    def _physical_length(self, cache: DynamicCache) -> int:
+        index = self.compressed_layers[0]
+        if index >= len(cache.layers):
+            return 0
+        return cache.layers[index].get_seq_length()
+
+    def _check_in_sync(self, cache: DynamicCache, batch: int, physical: int) -> None:
+        sequence = self.sequence
+        if sequence is None or sequence.cache_id != id(cache) or tuple(sequence.slot_valid.shape) != (batch, physical):
+            raise ValueError(
+                "kvcompress: this cache was filled outside the compressor or changed behind its back (cropped, "
+                "reordered, resized); start generation inside the `with compressor(model):` block with an empty "
+                "cache"
+            )
+
+    @staticmethod
+    def _new_token_validity(mask, batch: int, length: int, past_lengths: tuple[int, int], device) -> torch.Tensor:
+        """Which new tokens are real; a given 2-D mask must cover the past (as seen or as cached) + new tokens."""
+        if mask is None:
+            return torch.ones(batch, length, dtype=torch.bool, device=device)
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise ValueError(
+                "kvcompress needs a 2-D attention_mask (batch, tokens) or none; 4-D and dict masks cannot be "
+                "re-laid out after eviction"
+            )
+        if mask.shape[-1] not in {past + length for past in past_lengths}:
+            raise ValueError(
+                f"attention_mask covers {mask.shape[-1]} tokens, but the sequence has seen {past_lengths[0]} (of "
+                f"which {past_lengths[1]} are still cached) plus {length} new ones; pass a mask over all of them"
+            )
+        return mask[:, -length:].to(device=device, dtype=torch.bool)
+
+    # ------------------------------------------------------------------ attention hook
+    def _after_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        sequence = self.sequence
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if sequence is None or sequence.forward_valid is None or cache is None:
+            return
+        layer = cache.layers[module.layer_idx]
+        if getattr(layer, "is_sliding", False):
+            return
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        length = hidden_states.shape[1]
+        total = layer.keys.shape[-2]
+        state = self.layers.get(module.layer_idx)
+        if state is None:
+            state = LayerState.empty(hidden_states.shape[0], layer.keys.shape[1], layer.keys.device)
+            self.layers[module.layer_idx] = state
+        if state.length != total - length:
+            raise RuntimeError(
+                f"kvcompress: layer {module.layer_idx} holds {total - length} cached slots but its scores cover "
+                f"{state.length}; the cache was modified outside the compressor"
+            )
+        slot_valid = torch.cat([sequence.slot_valid, sequence.forward_valid], dim=-1)
+        started = time.perf_counter()
+        head_scores, counts = self._score(module, hidden_states, kwargs["position_embeddings"], layer.keys, slot_valid)
+        value_norms = None
+        if self.parameters.refined_algorithm == "criticalkv":
+            value_norms = projected_value_l1(
+                layer.values[:, :, -length:], value_projection_weight(module), module.num_key_value_groups
+            )
+        state.append(head_scores, counts, sequence.forward_positions, sequence.forward_true_positions, value_norms)
+        self.timings["scoring"] += time.perf_counter() - started
+        if total > self._eviction_threshold(length):
+            self._evict(module, layer, state, slot_valid)
+
+    def _score(self, module, hidden_states, position_embeddings, keys, slot_valid):
+        params = self.parameters
+        batch, length = hidden_states.shape[:2]
+        total = keys.shape[-2]
+        observed = self.sequence.forward_valid
+        if params.intermediate_size == 0:  # only fixed windows survive: scores are never read
+            return torch.zeros(batch, keys.shape[1], total, device=keys.device), torch.zeros(batch, total, device=keys.device)
+        pool = None
+        if params.algorithm is KVCacheCompressionMode.SNAPKV:
+            window = torch.arange(length, device=keys.device) >= length - params.window_size
+            observed = observed & window
+            if length > 1:
+                pool = params.snapkv_kernel_size
+        head_scores = observed_attention(
+            module, hidden_states, position_embeddings, keys, slot_valid, observed, pool_kernel=pool
+        )
+        return head_scores, observation_counts(observed, total)
+
+    def _eviction_threshold(self, length: int) -> float:
+        params = self.parameters
+        if length > 1:
+            return params.max_cache_size
+        if not params.compress_during_decoding:
+            return float("inf")
+        if params.strategy == "per_token":
+            return params.max_cache_size + params.decode_slack
+        return params.max_cache_size
+
+    def _evict(self, module: nn.Module, layer, state: LayerState, slot_valid: torch.Tensor) -> None:
+        started = time.perf_counter()
+        keep = select_keep_mask(
+            head_eviction_scores(state, self.parameters.score_aggregation), slot_valid, self.parameters,
+            state.value_norms,
+        )
+        index, valid = left_aligned_indices(keep)
+        self.timings["selection"] += time.perf_counter() - started
+        started = time.perf_counter()
+        compact_layer(layer, index)
+        state.gather(index)
+        if self.parameters.rerotate_keys:
+            compact = (valid.long().cumsum(-1) - 1).clamp(min=0)
+            delta = torch.where(valid, compact - state.rope_positions, 0)
+            layer.keys = rotate_keys(module, layer.keys, delta, self.layout.rotary_emb.inv_freq)
+            state.rope_positions = torch.where(valid, compact, state.rope_positions)
+        self.timings["compaction"] += time.perf_counter() - started
+        if self._pending_layout is None:
+            self._pending_layout = valid
+        elif not torch.equal(self._pending_layout, valid):
+            raise RuntimeError("kvcompress: layers disagree on the kept slot layout (internal error)")
+
+    # ------------------------------------------------------------------ cache guards
+    def _reorder(self, beam_idx: torch.Tensor) -> None:
+        """Keep the per-sequence state aligned with a batch-reordered cache (beam search)."""
+        sequence = self.sequence
+        if sequence is None:
+            return
+        sequence.seen = sequence.seen.index_select(0, beam_idx.to(sequence.seen.device))
+        sequence.slot_valid = sequence.slot_valid.index_select(0, beam_idx.to(sequence.seen.device))
+        for state in self.layers.values():
+            for name in ("head_scores", "counts", "rope_positions", "true_positions", "value_norms"):
+                tensor = getattr(state, name)
+                if tensor is not None:
+                    setattr(state, name, tensor.index_select(0, beam_idx.to(tensor.device)))
+
+
+def _guard_cache(cache: DynamicCache, session: CompressionSession) -> None:
+    """Make operations that would desynchronise cache and scores either follow along or fail loudly."""
+    original_reorder = cache.reorder_cache
+
+    def reorder_cache(beam_idx: torch.Tensor) -> None:
+        original_reorder(beam_idx)
+        if session.sequence is not None and session.sequence.cache_id == id(cache):
+            session._reorder(beam_idx)
+
+    def refuse(name: str):
+        def method(*args, **kwargs):
+            raise NotImplementedError(
+                f"kvcompress: cache.{name}() is not supported on a compressed cache (assisted / speculative "
+                "decoding and cache cropping assume every token is still cached)"
+            )
+
+        return method
+
+    cache.reorder_cache = reorder_cache
+    cache.crop = refuse("crop")

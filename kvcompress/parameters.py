@@ -1,0 +1,218 @@
+"""Compression parameters: one frozen dataclass, validated on construction, loadable from dicts and YAML.
+
+Names follow the NNCF ``KVCacheCompressionParameters`` proposal so that configs written for NNCF / OpenVINO
+contrib read the same here; the extra fields are documented in the README's parameter table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class KVCacheCompressionMode(str, enum.Enum):
+    """How token importance is scored. A ``str`` enum so YAML and JSON can carry plain strings."""
+
+    H2O = "h2o"
+    SNAPKV = "snapkv"
+
+
+STRATEGIES = ("per_token", "per_group")
+AGGREGATIONS = ("sum", "norm_sum")
+REFINED_ALGORITHMS = ("kvcrush", "criticalkv")
+KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternate")
+DEFAULT_SNAPKV_WINDOW = 8
+
+
+def _allowed(values) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheCompressionParameters:
+    """What to keep in the KV cache of every full-attention layer.
+
+    The cache of each layer is split into three areas: the first ``start_size`` slots (attention sinks) and the
+    last ``recent_size`` slots always survive; of everything in between only the ``intermediate_size`` best
+    scored slots survive. The layer budget is their sum (``max_cache_size``).
+    """
+
+    algorithm: KVCacheCompressionMode | str = KVCacheCompressionMode.SNAPKV
+    strategy: str = "per_token"
+    group_size: int = 32
+    start_size: int = 32
+    intermediate_size: int = 128
+    recent_size: int = 64
+    window_size: int | None = None
+    snapkv_kernel_size: int = 7
+    score_aggregation: str = "norm_sum"
+    compress_during_decoding: bool = True
+    decode_slack: int = 16
+    refined_algorithm: str | None = None
+    refined_size: int = 0
+    kvcrush_anchor: str = "alternate"
+    kvcrush_seed: int = 0
+    criticalkv_first_stage_ratio: float = 0.5
+    criticalkv_epsilon: float = 1e-4
+    rerotate_keys: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        try:
+            algorithm = KVCacheCompressionMode(self.algorithm)
+        except ValueError:
+            raise ValueError(
+                f"algorithm must be one of {_allowed(m.value for m in KVCacheCompressionMode)}, got {self.algorithm!r}"
+            ) from None
+        object.__setattr__(self, "algorithm", algorithm)
+        if algorithm is KVCacheCompressionMode.SNAPKV and self.window_size is None:
+            object.__setattr__(self, "window_size", DEFAULT_SNAPKV_WINDOW)
+        self._check_values()
+
+    # ------------------------------------------------------------------ validation
+    def _check_types(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, int)):
+                if not (field.name == "window_size" and value is None):
+                    raise TypeError(f"{field.name} must be an integer, got {value!r} ({type(value).__name__})")
+            if field.name in _BOOL_FIELDS and not isinstance(value, bool):
+                raise TypeError(f"{field.name} must be true or false, got {value!r} ({type(value).__name__})")
+            if field.name in _FLOAT_FIELDS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TypeError(f"{field.name} must be a number, got {value!r} ({type(value).__name__})")
+            if field.name in _STR_FIELDS and not isinstance(value, str) and not (
+                field.name == "refined_algorithm" and value is None
+            ):
+                raise TypeError(f"{field.name} must be a string, got {value!r} ({type(value).__name__})")
+
+    def _check_values(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {_allowed(STRATEGIES)}, got {self.strategy!r}")
+        if self.score_aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"score_aggregation must be one of {_allowed(AGGREGATIONS)}, got {self.score_aggregation!r}"
+            )
+        for name in ("start_size", "intermediate_size", "recent_size", "refined_size", "decode_slack"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_cache_size <= 0:
+            raise ValueError(
+                "start_size + intermediate_size + recent_size must be > 0 (the layer budget), got "
+                f"{self.start_size} + {self.intermediate_size} + {self.recent_size}"
+            )
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.strategy == "per_group":
+            for name in ("start_size", "intermediate_size", "recent_size", "refined_size"):
+                if getattr(self, name) % self.group_size:
+                    raise ValueError(
+                        f"{name} must be a multiple of group_size={self.group_size} with strategy='per_group', "
+                        f"got {getattr(self, name)}"
+                    )
+        if self.algorithm is KVCacheCompressionMode.H2O and self.window_size is not None:
+            raise ValueError(
+                "window_size is only allowed with algorithm='snapkv' (H2O observes every query); "
+                f"got window_size={self.window_size} with algorithm='h2o'"
+            )
+        if self.window_size is not None and self.window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
+        if self.snapkv_kernel_size < 1 or self.snapkv_kernel_size % 2 == 0:
+            raise ValueError(
+                f"snapkv_kernel_size must be a positive odd integer (a centred max-pool), got {self.snapkv_kernel_size}"
+            )
+        if self.refined_algorithm is not None and self.refined_algorithm not in REFINED_ALGORITHMS:
+            raise ValueError(
+                f"refined_algorithm must be None or one of {_allowed(REFINED_ALGORITHMS)}, "
+                f"got {self.refined_algorithm!r}"
+            )
+        if self.refined_size > self.intermediate_size:
+            raise ValueError(
+                f"refined_size must be <= intermediate_size ({self.intermediate_size}), got {self.refined_size}"
+            )
+        if self.refined_algorithm is None and self.refined_size:
+            raise ValueError("refined_size needs a refined_algorithm ('kvcrush' or 'criticalkv'); got None")
+        if self.kvcrush_anchor not in KVCRUSH_ANCHORS:
+            raise ValueError(f"kvcrush_anchor must be one of {_allowed(KVCRUSH_ANCHORS)}, got {self.kvcrush_anchor!r}")
+        if not 0.0 <= self.criticalkv_first_stage_ratio <= 1.0:
+            raise ValueError(
+                f"criticalkv_first_stage_ratio must be in [0, 1], got {self.criticalkv_first_stage_ratio}"
+            )
+        if self.criticalkv_epsilon < 0:
+            raise ValueError(f"criticalkv_epsilon must be >= 0, got {self.criticalkv_epsilon}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def max_cache_size(self) -> int:
+        """The per-layer budget in slots: start + intermediate + recent."""
+        return self.start_size + self.intermediate_size + self.recent_size
+
+    @property
+    def unit_size(self) -> int:
+        """Slots per eviction unit: 1 per token, ``group_size`` per page."""
+        return self.group_size if self.strategy == "per_group" else 1
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["algorithm"] = self.algorithm.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "KVCacheCompressionParameters":
+        if not isinstance(data, Mapping):
+            raise TypeError(f"compression parameters must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown compression parameter(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "KVCacheCompressionParameters":
+        import yaml
+
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+        if data is None:
+            data = {}
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_budget(
+        cls,
+        budget: int,
+        *,
+        start_size: int | None = None,
+        recent_size: int | None = None,
+        **overrides: Any,
+    ) -> "KVCacheCompressionParameters":
+        """Split a total per-layer budget into the three areas.
+
+        Defaults: start = min(32, budget // 8), recent = min(64, budget // 4), the rest intermediate; with
+        ``strategy='per_group'`` start and recent are rounded down to multiples of ``group_size``. Passing
+        ``start_size=4, recent_size=budget - 4`` gives the StreamingLLM floor (nothing scored is kept).
+        """
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise ValueError(f"budget must be a positive integer, got {budget!r}")
+        unit = overrides.get("group_size", 32) if overrides.get("strategy") == "per_group" else 1
+        if start_size is None:
+            start_size = min(32, budget // 8) // unit * unit
+        if recent_size is None:
+            recent_size = min(64, budget // 4) // unit * unit
+        intermediate = budget - start_size - recent_size
+        if intermediate < 0:
+            raise ValueError(
+                f"start_size + recent_size ({start_size} + {recent_size}) exceed the budget {budget}"
+            )
+        return cls(start_size=start_size, recent_size=recent_size, intermediate_size=intermediate, **overrides)
+
+
+_INT_FIELDS = {
+    "group_size", "start_size", "intermediate_size", "recent_size", "window_size", "snapkv_kernel_size",
+    "decode_slack", "refined_size", "kvcrush_seed",
+}
+_BOOL_FIELDS = {"compress_during_decoding", "rerotate_keys"}
+_FLOAT_FIELDS = {"criticalkv_first_stage_ratio", "criticalkv_epsilon"}
+_STR_FIELDS = {"strategy", "score_aggregation", "refined_algorithm", "kvcrush_anchor"}

@@ -1,0 +1,111 @@
+"""Which slots survive an eviction: start window, best of the intermediate area, recent window (reference §2-3).
+
+Everything is counted on the live tokens of each sequence (its "rank"), not on physical slots, so left padding
+and earlier filler never shift a sequence's windows. Per-group eviction is the same computation on units of
+``group_size`` consecutive ranks aligned at ``start_size`` (per-token is ``group_size = 1``): the trailing,
+possibly partial unit belongs to the recent area, so only complete pages are ever evicted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..parameters import KVCacheCompressionParameters
+from .adaptive import adaptive_refined_count
+from .criticalkv import criticalkv_select
+from .kvcrush import kvcrush_select
+
+
+def select_keep_mask(
+    head_scores: torch.Tensor,
+    slot_valid: torch.Tensor,
+    params: KVCacheCompressionParameters,
+    value_norms: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Slots to keep (B, T) bool, from per-KV-head eviction scores (B, H, T) and the live-slot mask (B, T).
+
+    A sequence whose live tokens fit in the budget keeps all of them; otherwise it keeps exactly its start
+    window, ``intermediate_size`` slots (``intermediate_size / group_size`` pages) and its recent window.
+    Dead slots (padding) are never kept.
+    """
+    unit = params.unit_size
+    start, recent_units = params.start_size, params.recent_size // unit
+    batch, _, total = head_scores.shape
+    rank = slot_valid.long().cumsum(-1) - 1
+    live = slot_valid.sum(-1)
+    unit_of_slot = torch.div(rank - start, unit, rounding_mode="floor")
+    num_units = torch.div(live - start + unit - 1, unit, rounding_mode="floor").clamp(min=0)
+    max_units = -(-total // unit)
+    in_units = slot_valid & (rank >= start)
+    recent = in_units & (unit_of_slot >= (num_units - recent_units)[:, None])
+    protected = slot_valid & ((rank < start) | recent)
+
+    unit_index = torch.arange(max_units, device=head_scores.device)
+    candidates = unit_index[None, :] < (num_units - recent_units)[:, None]
+    scatter_to = torch.where(in_units, unit_of_slot, 0)
+    unit_head_scores = torch.zeros(batch, head_scores.shape[1], max_units, device=head_scores.device)
+    unit_head_scores.scatter_add_(-1, scatter_to.unsqueeze(1).expand_as(head_scores), head_scores * in_units[:, None])
+    unit_scores = unit_head_scores.sum(1)
+
+    chosen = _choose_units(unit_scores, unit_head_scores, candidates, params, _unit_means(value_norms, in_units, scatter_to, max_units))
+    kept_units = chosen.gather(-1, scatter_to) & in_units
+    return protected | kept_units
+
+
+def _unit_means(values, in_units, scatter_to, max_units):
+    if values is None:
+        return None
+    sums = torch.zeros(values.shape[0], max_units, device=values.device).scatter_add_(-1, scatter_to, values * in_units)
+    sizes = torch.zeros_like(sums).scatter_add_(-1, scatter_to, in_units.float())
+    return sums / sizes.clamp(min=1.0)
+
+
+def _choose_units(unit_scores, unit_head_scores, candidates, params, unit_value_norms) -> torch.Tensor:
+    """Coarse top-k by score, then the refined selector among what the coarse step left out."""
+    budget_units = params.intermediate_size // params.unit_size
+    if params.refined_algorithm is None:
+        refined = torch.zeros(unit_scores.shape[0], dtype=torch.long, device=unit_scores.device)
+    elif params.refined_size:
+        refined = torch.full_like(candidates[:, 0], params.refined_size // params.unit_size, dtype=torch.long)
+    else:
+        refined = adaptive_refined_count(unit_scores, candidates, budget_units)
+    coarse = _top_k_mask(unit_scores, candidates, budget_units - refined)
+    if params.refined_algorithm is not None:
+        remaining = candidates & ~coarse
+        count = torch.minimum(refined, remaining.sum(-1))
+        if params.refined_algorithm == "kvcrush":
+            coarse |= kvcrush_select(unit_head_scores, remaining, count, params.kvcrush_anchor, params.kvcrush_seed)
+        else:
+            coarse |= criticalkv_select(
+                unit_scores, unit_value_norms, remaining, count,
+                params.criticalkv_first_stage_ratio, params.criticalkv_epsilon,
+            )
+    return coarse
+
+
+def _top_k_mask(scores: torch.Tensor, candidates: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The ``k[b]`` best candidates of each row (all of them where fewer exist)."""
+    k_max = int(k.max()) if k.numel() else 0
+    mask = torch.zeros_like(candidates)
+    if k_max == 0:
+        return mask
+    k_max = min(k_max, scores.shape[-1])
+    masked = scores.masked_fill(~candidates, float("-inf"))
+    order = masked.topk(k_max, dim=-1, sorted=True).indices
+    take = torch.arange(k_max, device=scores.device)[None, :] < k[:, None]
+    take &= candidates.gather(-1, order)
+    return mask.scatter(-1, order, take)
+
+
+def left_aligned_indices(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather indices (B, K) that put each row's kept slots, in order, at the right end of K slots.
+
+    K is the widest row's count; narrower rows are filled on the left with slots they did not keep, which are
+    then marked dead (returned validity (B, K)), exactly like left padding.
+    """
+    total = keep.shape[-1]
+    width = int(keep.sum(-1).max())
+    slot = torch.arange(total, device=keep.device)
+    order = torch.where(keep, slot + total, slot).argsort(dim=-1)[:, total - width :]
+    valid = keep.gather(-1, order)
+    return order, valid

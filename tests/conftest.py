@@ -1,0 +1,48 @@
+"""Tiny random-initialised models of every supported architecture, built offline from configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+torch.set_num_threads(1)
+
+_COMMON = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+TINY_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**_COMMON),
+    "mistral": lambda: transformers.MistralConfig(**_COMMON, sliding_window=None),
+    "mistral_sliding": lambda: transformers.MistralConfig(**_COMMON, sliding_window=16),
+    "qwen2": lambda: transformers.Qwen2Config(**_COMMON),
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16),
+    "phi3": lambda: transformers.Phi3Config(**{**_COMMON, "num_hidden_layers": 2}, partial_rotary_factor=0.5),
+    "gemma2": lambda: transformers.Gemma2Config(**_COMMON, head_dim=16, sliding_window=16, query_pre_attn_scalar=16),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=16, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
+}
+
+
+def tiny_model(arch: str = "llama", attn_implementation: str = "sdpa", seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    if arch == "gemma2":  # soft-capped logits: transformers offers no sdpa path for Gemma 2
+        attn_implementation = "eager"
+    config = TINY_CONFIGS[arch]()
+    config._attn_implementation = attn_implementation
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.to(dtype).eval()
+
+
+def random_tokens(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, _COMMON["vocab_size"], (batch, length), generator=generator)
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")

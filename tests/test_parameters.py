@@ -1,0 +1,88 @@
+"""Every invalid parameter value raises an error that names the field (table-driven over the dataclass)."""
+
+import dataclasses
+
+import pytest
+
+from kvcompress import KVCacheCompressionMode, KVCacheCompressionParameters
+
+INVALID = [
+    ({"algorithm": "pyramid"}, ValueError, "algorithm"),
+    ({"algorithm": 3}, ValueError, "algorithm"),
+    ({"strategy": "per_head"}, ValueError, "strategy"),
+    ({"strategy": 1}, TypeError, "strategy"),
+    ({"group_size": 0}, ValueError, "group_size"),
+    ({"group_size": 2.5}, TypeError, "group_size"),
+    ({"start_size": -1}, ValueError, "start_size"),
+    ({"start_size": "32"}, TypeError, "start_size"),
+    ({"intermediate_size": -5}, ValueError, "intermediate_size"),
+    ({"recent_size": -1}, ValueError, "recent_size"),
+    ({"recent_size": True}, TypeError, "recent_size"),
+    ({"start_size": 0, "intermediate_size": 0, "recent_size": 0}, ValueError, "must be > 0"),
+    ({"window_size": 0}, ValueError, "window_size"),
+    ({"window_size": 8.0}, TypeError, "window_size"),
+    ({"algorithm": "h2o", "window_size": 8}, ValueError, "window_size"),
+    ({"snapkv_kernel_size": 4}, ValueError, "snapkv_kernel_size"),
+    ({"snapkv_kernel_size": 0}, ValueError, "snapkv_kernel_size"),
+    ({"score_aggregation": "mean"}, ValueError, "score_aggregation"),
+    ({"score_aggregation": None}, TypeError, "score_aggregation"),
+    ({"compress_during_decoding": "yes"}, TypeError, "compress_during_decoding"),
+    ({"decode_slack": -1}, ValueError, "decode_slack"),
+    ({"refined_algorithm": "diversekv"}, ValueError, "refined_algorithm"),
+    ({"refined_size": 8}, ValueError, "refined_size"),
+    ({"refined_algorithm": "kvcrush", "refined_size": 200}, ValueError, "refined_size"),
+    ({"refined_algorithm": "kvcrush", "refined_size": -1}, ValueError, "refined_size"),
+    ({"kvcrush_anchor": "median"}, ValueError, "kvcrush_anchor"),
+    ({"kvcrush_seed": "0"}, TypeError, "kvcrush_seed"),
+    ({"criticalkv_first_stage_ratio": 1.5}, ValueError, "criticalkv_first_stage_ratio"),
+    ({"criticalkv_first_stage_ratio": "half"}, TypeError, "criticalkv_first_stage_ratio"),
+    ({"criticalkv_epsilon": -1e-4}, ValueError, "criticalkv_epsilon"),
+    ({"rerotate_keys": 1}, TypeError, "rerotate_keys"),
+    ({"strategy": "per_group", "start_size": 16}, ValueError, "start_size must be a multiple of group_size"),
+    ({"strategy": "per_group", "intermediate_size": 100}, ValueError, "intermediate_size"),
+    ({"strategy": "per_group", "recent_size": 48}, ValueError, "recent_size"),
+    ({"strategy": "per_group", "refined_algorithm": "kvcrush", "refined_size": 16}, ValueError, "refined_size"),
+]
+
+
+def test_every_field_has_an_invalid_case():
+    covered = {key for case, _, _ in INVALID for key in case}
+    assert covered == {field.name for field in dataclasses.fields(KVCacheCompressionParameters)}
+
+
+@pytest.mark.parametrize("overrides, error, field", INVALID)
+def test_invalid_values_name_the_field(overrides, error, field):
+    with pytest.raises(error, match=field):
+        KVCacheCompressionParameters(**overrides)
+
+
+def test_defaults_and_round_trip(tmp_path):
+    params = KVCacheCompressionParameters()
+    assert params.algorithm is KVCacheCompressionMode.SNAPKV and params.window_size == 8
+    assert params.max_cache_size == 224
+    assert KVCacheCompressionParameters.from_dict(params.to_dict()) == params
+    path = tmp_path / "p.yaml"
+    path.write_text("algorithm: h2o\nstart_size: 4\nintermediate_size: 60\nrecent_size: 4\n")
+    loaded = KVCacheCompressionParameters.from_yaml(path)
+    assert loaded.algorithm is KVCacheCompressionMode.H2O and loaded.window_size is None and loaded.max_cache_size == 68
+
+
+def test_yaml_unknown_key_and_wrong_type(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("algoritm: h2o\n")
+    with pytest.raises(ValueError, match="algoritm"):
+        KVCacheCompressionParameters.from_yaml(path)
+    path.write_text("start_size: many\n")
+    with pytest.raises(TypeError, match="start_size"):
+        KVCacheCompressionParameters.from_yaml(path)
+
+
+def test_from_budget_splits_and_validates():
+    params = KVCacheCompressionParameters.from_budget(256)
+    assert (params.start_size, params.intermediate_size, params.recent_size) == (32, 160, 64)
+    streaming = KVCacheCompressionParameters.from_budget(128, start_size=4, recent_size=124)
+    assert streaming.intermediate_size == 0
+    grouped = KVCacheCompressionParameters.from_budget(512, strategy="per_group", group_size=32)
+    assert grouped.start_size % 32 == 0 and grouped.recent_size % 32 == 0 and grouped.max_cache_size == 512
+    with pytest.raises(ValueError, match="budget"):
+        KVCacheCompressionParameters.from_budget(0)

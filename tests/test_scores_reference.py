@@ -1,0 +1,69 @@
+"""Hook scores against an independent reference: the attention weights eager attention returns.
+
+The reference below re-derives the scores from ``output_attentions`` exactly as the algorithms are specified
+(reference §4-5): H2O sums every query row, SnapKV the last ``window`` rows of a multi-token step (centred
+max-pool, kernel 7, per query head), every decode step adds its row; query heads sum into their KV head;
+norm_sum divides by the number of observing queries.
+"""
+
+import pytest
+import torch
+
+from conftest import random_tokens, tiny_model
+from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from kvcompress.scoring.aggregation import head_eviction_scores
+
+PROMPT, WINDOW, DECODE_STEPS = 40, 8, 3
+
+
+def _reference(attentions_per_step, algorithm, kv_heads):
+    """Accumulated per-KV-head scores and counts of layer 0 from eager weights, one entry per forward."""
+    scores = counts = None
+    for weights in attentions_per_step:  # (1, H_q, q, T)
+        weights = weights[0].double()
+        heads, queries, total = weights.shape
+        observed = list(range(queries)) if algorithm == "h2o" else list(range(max(0, queries - WINDOW), queries))
+        step = weights[:, observed].sum(1)  # (H_q, T)
+        if algorithm == "snapkv" and queries > 1:
+            padded = torch.nn.functional.pad(step, (3, 3), value=float("-inf"))
+            step = torch.stack([padded[:, j : j + 7].max(-1).values for j in range(total)], -1)
+        step = step.view(kv_heads, heads // kv_heads, total).sum(1)
+        step_counts = torch.zeros(total, dtype=torch.float64)
+        for q in observed:
+            step_counts[: total - queries + q + 1] += 1
+        if scores is None:
+            scores, counts = step, step_counts
+        else:
+            old = scores.shape[-1]
+            scores = torch.cat([scores + step[:, :old], step[:, old:]], -1)
+            counts = torch.cat([counts + step_counts[:old], step_counts[old:]])
+    return scores, counts
+
+
+@pytest.mark.parametrize("algorithm", ["h2o", "snapkv"])
+@pytest.mark.parametrize("aggregation", ["sum", "norm_sum"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_hook_scores_equal_eager_attention_weights(algorithm, aggregation, arch):
+    model = tiny_model(arch, attn_implementation="eager")
+    params = KVCacheCompressionParameters(
+        algorithm=algorithm, start_size=4, intermediate_size=500, recent_size=4, score_aggregation=aggregation,
+        window_size=WINDOW if algorithm == "snapkv" else None,
+    )
+    ids = random_tokens(PROMPT + DECODE_STEPS)
+    attentions = []
+    with KVCacheCompressor(params)(model) as session, torch.no_grad():
+        out = model(ids[:, :PROMPT], use_cache=True, output_attentions=True)
+        attentions.append(out.attentions)
+        for step in range(DECODE_STEPS):
+            out = model(ids[:, PROMPT + step : PROMPT + step + 1], cache=out.past_key_values, use_cache=True,
+                        output_attentions=True)
+            attentions.append(out.attentions)
+        for layer in range(model.config.num_hidden_layers):
+            expected_scores, expected_counts = _reference([a[layer] for a in attentions], algorithm,
+                                                          model.config.num_key_value_heads)
+            state = session.layers[layer]
+            torch.testing.assert_close(state.head_scores[0].double(), expected_scores, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(state.counts[0].double(), expected_counts, rtol=0, atol=0)
+            expected = expected_scores / expected_counts.clamp(min=1) if aggregation == "norm_sum" else expected_scores
+            torch.testing.assert_close(head_eviction_scores(state, aggregation)[0].double(), expected,
+                                       rtol=1e-4, atol=1e-6)
