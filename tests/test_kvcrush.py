@@ -11,7 +11,9 @@ from kvcompress.selection.kvcrush import KVCRUSH_ANCHORS, head_signatures, kvcru
 # bit + 0.01·u with the bit from the signature table below, so the top half (5 of 10) of every head is exactly
 # its bit-1 units (every head has five). Units 3 and 8 score 5.0 in every head: if non-candidates took part in
 # the ranking they would take two top-half places in every head and change the signatures.
-SIGNATURES = {0: "1111", 1: "0010", 2: "1110", 4: "0001", 5: "1100", 6: "0011", 7: "1000", 9: "0101", 10: "0110", 11: "1001"}
+SIGNATURES = {
+    0: "1111", 1: "0010", 2: "1110", 4: "0001", 5: "1100", 6: "0011", 7: "1000", 9: "0101", 10: "0110", 11: "1001"
+}
 NON_CANDIDATES = (3, 8)
 
 
@@ -45,8 +47,9 @@ def chosen(head_scores, candidates, num_select, anchor, seed=0) -> list[list[int
         ("alternate", 3, [9, 5, 11]),
         ("zeros", 4, [1, 7, 9, 11]),
         ("ones", 4, [0, 5, 10, 1]),
-        # mean: every head has 5 ones of 10, not a strict majority -> anchor 0000, same as zeros.
-        ("mean", 4, [1, 7, 9, 11]),
+        # mean: every head has 5 ones of 10 -> anchor (.5, .5, .5, .5), every L1 distance is 2, so the order is
+        # the index order [0, 1, 2, 4, 5, 6, 7, 9, 10, 11] and positions 0, 2, 5, 7 pick 0, 2, 6, 9.
+        ("mean", 4, [0, 2, 6, 9]),
     ],
 )
 def test_hand_computed_twelve_unit_example(anchor: str, k: int, expected: list[int]) -> None:
@@ -80,17 +83,19 @@ def test_equal_distances_are_spread_in_index_order() -> None:
 def test_anchor_bits() -> None:
     scores, candidates = example()
     signatures = head_signatures(scores, candidates)
-    bits = {name: kvcrush_anchor_bits(name, signatures, candidates, seed=0)[0].int().tolist() for name in KVCRUSH_ANCHORS}
+    bits = {
+        name: kvcrush_anchor_bits(name, signatures, candidates, seed=0)[0].int().tolist() for name in KVCRUSH_ANCHORS
+    }
     assert bits["zeros"] == [0, 0, 0, 0]
     assert bits["ones"] == [1, 1, 1, 1]
     assert bits["alternate"] == [0, 1, 0, 1]
-    assert bits["mean"] == [0, 0, 0, 0]
     assert bits["random"] == torch.randint(0, 2, (4,), generator=torch.Generator().manual_seed(0)).tolist()
-    # mean is the per-head strict majority: forcing head 2's bit on units 0, 1, 2, 4, 5, 6 (with unit 10 already
-    # set: 7 of 10 candidates) flips that head only.
+    assert kvcrush_anchor_bits("mean", signatures, candidates)[0].tolist() == [0.5, 0.5, 0.5, 0.5]
+    # mean is the per-head fraction of ones: forcing head 2's bit on units 0, 1, 2, 4, 5, 6 (with unit 10 already
+    # set: 7 of 10 candidates) moves that head only.
     forced = signatures.clone()
     forced[0, 2, [0, 1, 2, 4, 5, 6]] = True
-    assert kvcrush_anchor_bits("mean", forced, candidates)[0].int().tolist() == [0, 0, 1, 0]
+    assert kvcrush_anchor_bits("mean", forced, candidates)[0].tolist() == pytest.approx([0.5, 0.5, 0.7, 0.5])
 
 
 def test_random_anchor_is_reproducible_and_seeded() -> None:
@@ -152,10 +157,10 @@ def slow_reference(scores: list[list[float]], candidates: list[bool], k: int, an
     elif anchor == "alternate":
         anchor_bits = [h % 2 for h in range(heads)]
     elif anchor == "mean":
-        anchor_bits = [int(2 * sum(signature[u][h] for u in pool) > n) for h in range(heads)]
+        anchor_bits = [sum(signature[u][h] for u in pool) / max(n, 1) for h in range(heads)]
     else:
         anchor_bits = torch.randint(0, 2, (heads,), generator=torch.Generator().manual_seed(seed)).tolist()
-    order = sorted(pool, key=lambda u: (sum(a != b for a, b in zip(signature[u], anchor_bits)), u))
+    order = sorted(pool, key=lambda u: (sum(abs(a - b) for a, b in zip(signature[u], anchor_bits)), u))
     return sorted(order[i * n // k] for i in range(k))
 
 

@@ -8,7 +8,10 @@ from kvcompress.scoring.value_norm import projected_value_l1
 
 
 def slow_reference(values: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
-    """Per query head h: u = F.linear(v[kv(h)], W_o[:, h·d:(h+1)·d]); ‖u‖₁; mean per GQA group, then over KV heads."""
+    """Per query head h: u = F.linear(v[kv(h)], W_o[:, h·d:(h+1)·d]), ‖u‖₁; mean per GQA group, then per KV head.
+
+    Computed in float64 so the comparison measures the selector's float32 error only.
+    """
     batch, kv_heads, tokens, head_dim = values.shape
     per_kv = []
     for kv in range(kv_heads):

@@ -1,8 +1,9 @@
 """‖v·W_o‖₁ of every cached token, the value side of CriticalKV's output-perturbation bound (reference §8.1).
 
 A token's contribution to the attention output of query head h is its attention weight times
-``u = v_{kv(h)} · W_o[:, h·d:(h+1)·d]ᵀ``; CriticalKV weighs the attention score by ``‖u‖₁``. The norm depends only
-on the value, so it is computed once when a token enters the cache (§8.1 "Cost") and kept next to its score.
+``u = v_{kv(h)} · W_o[:, h·d:(h+1)·d]ᵀ``; CriticalKV weighs the attention score by ``‖u‖₁``. The norm depends
+only on the value, so it is computed once when a token enters the cache (§8.1 "Cost") and kept next to its
+score.
 """
 
 from __future__ import annotations

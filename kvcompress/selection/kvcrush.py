@@ -14,11 +14,11 @@ Exact rules (all deterministic, per row, independent of the other rows of the ba
   across the boundary gives all tied units 0, so equal scores always get equal bits whatever their position.
 * **Anchor** (H bits, shared by the whole row): ``zeros``; ``ones``; ``alternate`` = ``h % 2`` (0, 1, 0, 1 …);
   ``random`` = ``torch.randint(0, 2, (H,))`` from a CPU ``torch.Generator`` seeded with ``seed`` (the same for
-  every row, layer and call, and the same on every device); ``mean`` = per head the strict-majority bit over
-  the row's candidates (1 iff more than ``n/2`` candidates have bit 1). Because the half split gives every
-  head at most ``floor(n/2)`` ones, ``mean`` always equals ``zeros`` here; it is kept for parameter
-  compatibility (§1) and documented rather than silently redefined.
-* **Order**: ascending Hamming distance to the anchor, ties by ascending unit index.
+  every row, layer and call, and the same on every device); ``mean`` = per head the *fraction* of the row's
+  candidates with bit 1 (the mean signature). A majority bit would be useless here: the half split gives every
+  head at most ``floor(n/2)`` ones, so a majority anchor would always equal ``zeros``.
+* **Order**: ascending L1 distance between signature and anchor (the Hamming distance for the binary
+  anchors), ties by ascending unit index.
 * **Spacing**: with ``n`` sorted candidates and ``k`` to select, positions ``floor(i·n/k)`` for
   ``i = 0 … k−1``: the first unit of each of ``k`` equal buckets. Since ``n/k ≥ 1`` the positions are distinct.
 """
@@ -29,7 +29,7 @@ import torch
 
 from kvcompress.selection.adaptive import check_num_select, descending_order
 
-KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternate")
+from ..parameters import KVCRUSH_ANCHORS
 
 
 def head_signatures(head_scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ def head_signatures(head_scores: torch.Tensor, candidates: torch.Tensor) -> torc
 def kvcrush_anchor_bits(
     anchor: str, signatures: torch.Tensor, candidates: torch.Tensor, seed: int = 0
 ) -> torch.Tensor:
-    """``(B, H)`` bool anchor for each row (see the module docstring)."""
+    """``(B, H)`` float anchor for each row, entries in [0, 1] (see the module docstring)."""
     batch, heads, _ = signatures.shape
     device = signatures.device
     if anchor == "zeros":
@@ -58,10 +58,10 @@ def kvcrush_anchor_bits(
         generator = torch.Generator(device="cpu").manual_seed(seed)
         bits = torch.randint(0, 2, (heads,), generator=generator).bool().to(device)
     elif anchor == "mean":
-        return 2 * signatures.sum(dim=-1) > candidates.sum(dim=-1, keepdim=True)
+        return signatures.sum(dim=-1) / candidates.sum(dim=-1, keepdim=True).clamp(min=1)
     else:
         raise ValueError(f"kvcrush_anchor must be one of {', '.join(map(repr, KVCRUSH_ANCHORS))}, got {anchor!r}")
-    return bits.expand(batch, heads)
+    return bits.float().expand(batch, heads)
 
 
 def kvcrush_select(
@@ -87,9 +87,9 @@ def kvcrush_select(
     batch, heads, units = head_scores.shape
     signatures = head_signatures(head_scores, candidates)
     anchor_bits = kvcrush_anchor_bits(anchor, signatures, candidates, seed)
-    distance = (signatures != anchor_bits[:, :, None]).sum(dim=1)
+    distance = (signatures.float() - anchor_bits[:, :, None]).abs().sum(dim=1)
     # Non-candidates get distance H + 1 so the stable ascending sort puts them after every candidate.
-    order = torch.sort(torch.where(candidates, distance, heads + 1), dim=-1, stable=True).indices
+    order = torch.sort(torch.where(candidates, distance, heads + 1.0), dim=-1, stable=True).indices
     slot = torch.arange(units, device=head_scores.device).expand(batch, units)
     wanted = slot < num_select[:, None]
     position = torch.where(wanted, slot * candidates.sum(dim=-1, keepdim=True) // num_select.clamp(min=1)[:, None], 0)
