@@ -256,8 +256,9 @@ class CompressionSession:
             )
         state.append(head_scores, counts, sequence.forward_positions, sequence.forward_true_positions, value_norms)
         self.timings["scoring"] += time.perf_counter() - started
-        if total > self._eviction_threshold(length):
-            self._evict(module, layer, state, slot_valid)
+        threshold = self._eviction_threshold(length)
+        if total > threshold:
+            self._evict(module, layer, state, slot_valid, threshold)
 
     def _score(self, module, hidden_states, position_embeddings, keys, slot_valid):
         params = self.parameters
@@ -287,12 +288,14 @@ class CompressionSession:
             return params.max_cache_size + params.decode_slack
         return params.max_cache_size
 
-    def _evict(self, module: nn.Module, layer, state: LayerState, slot_valid: torch.Tensor) -> None:
+    def _evict(self, module: nn.Module, layer, state: LayerState, slot_valid: torch.Tensor, threshold: float) -> None:
         started = time.perf_counter()
         keep = select_keep_mask(
             head_eviction_scores(state, self.parameters.score_aggregation), slot_valid, self.parameters,
             state.value_norms,
         )
+        # Each sequence evicts on its own schedule (as it would alone); padding only makes the batch wider.
+        keep = torch.where((slot_valid.sum(-1) > threshold)[:, None], keep, slot_valid)
         index, valid = left_aligned_indices(keep)
         self.timings["selection"] += time.perf_counter() - started
         started = time.perf_counter()

@@ -3,7 +3,8 @@
 Everything is counted on the live tokens of each sequence (its "rank"), not on physical slots, so left padding
 and earlier filler never shift a sequence's windows. Per-group eviction is the same computation on units of
 ``group_size`` consecutive ranks aligned at ``start_size`` (per-token is ``group_size = 1``): the trailing,
-possibly partial unit belongs to the recent area, so only complete pages are ever evicted.
+possibly partial unit belongs to the recent area (even when ``recent_size`` is 0), so only complete pages
+are ever evicted.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..parameters import KVCacheCompressionParameters
-from .adaptive import adaptive_refined_count
+from .adaptive import adaptive_refined_count, descending_order
 from .criticalkv import criticalkv_select
 from .kvcrush import kvcrush_select
 
@@ -37,6 +38,9 @@ def select_keep_mask(
     num_units = torch.div(live - start + unit - 1, unit, rounding_mode="floor").clamp(min=0)
     max_units = -(-total // unit)
     in_units = slot_valid & (rank >= start)
+    # A partial trailing page is never a candidate, even with recent_size 0: only complete pages are evicted.
+    partial = ((live - start).clamp(min=0) % unit != 0).long()
+    recent_units = torch.clamp(partial, min=recent_units)
     recent = in_units & (unit_of_slot >= (num_units - recent_units)[:, None])
     protected = slot_valid & ((rank < start) | recent)
 
@@ -84,17 +88,14 @@ def _choose_units(unit_scores, unit_head_scores, candidates, params, unit_value_
 
 
 def _top_k_mask(scores: torch.Tensor, candidates: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The ``k[b]`` best candidates of each row (all of them where fewer exist)."""
-    k_max = int(k.max()) if k.numel() else 0
-    mask = torch.zeros_like(candidates)
-    if k_max == 0:
-        return mask
-    k_max = min(k_max, scores.shape[-1])
-    masked = scores.masked_fill(~candidates, float("-inf"))
-    order = masked.topk(k_max, dim=-1, sorted=True).indices
-    take = torch.arange(k_max, device=scores.device)[None, :] < k[:, None]
-    take &= candidates.gather(-1, order)
-    return mask.scatter(-1, order, take)
+    """The ``k[b]`` best candidates of each row (all of them where fewer exist).
+
+    Ties (SnapKV's max-pool makes many exact ones) go to the older unit, so a sequence selects the same slots
+    whatever padding or filler precedes it in a batch.
+    """
+    order = descending_order(scores, candidates)
+    take = torch.arange(order.shape[-1], device=scores.device)[None, :] < torch.minimum(k, candidates.sum(-1))[:, None]
+    return torch.zeros_like(candidates).scatter(-1, order, take)
 
 
 def left_aligned_indices(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

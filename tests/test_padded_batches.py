@@ -1,0 +1,61 @@
+"""Left-padded batches: every sequence generates what it generates alone under the same compression."""
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import random_tokens, tiny_model
+from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+
+LENGTHS = (90, 61, 120, 37)  # the last one fits in the budget at first: it must evict on its own schedule
+NEW_TOKENS = 24
+
+
+def _left_pad(prompts):
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.shape[1]:] = prompt[0]
+        mask[row, width - prompt.shape[1]:] = 1
+    return ids, mask
+
+
+def _generate(model, params, ids, mask):
+    with KVCacheCompressor(params)(model):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize(
+    "algorithm, strategy, rerotate", list(itertools.product(["snapkv", "h2o"], ["per_token", "per_group"], [False, True]))
+)
+def test_each_sequence_matches_its_solo_run(algorithm, strategy, rerotate):
+    model = tiny_model("llama")
+    params = KVCacheCompressionParameters(
+        algorithm=algorithm, strategy=strategy, group_size=4, start_size=4, intermediate_size=24, recent_size=12,
+        window_size=8 if algorithm == "snapkv" else None, rerotate_keys=rerotate, decode_slack=4,
+    )
+    prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
+    batched = _generate(model, params, *_left_pad(prompts))
+    for row, prompt in enumerate(prompts):
+        alone = _generate(model, params, prompt, torch.ones_like(prompt))
+        assert torch.equal(batched[row], alone[0]), f"sequence {row} (length {prompt.shape[1]}) diverged"
+
+
+def test_pads_are_evicted_first_and_windows_count_real_tokens():
+    model = tiny_model("llama")
+    params = KVCacheCompressionParameters(start_size=4, intermediate_size=24, recent_size=12)
+    prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
+    ids, mask = _left_pad(prompts)
+    with KVCacheCompressor(params)(model) as session, torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        assert out.past_key_values.layers[0].keys.shape[-2] == params.max_cache_size
+        layout = session.sequence.slot_valid
+        for row, length in enumerate(LENGTHS):
+            live = min(length, params.max_cache_size)
+            assert layout[row].tolist() == [False] * (params.max_cache_size - live) + [True] * live
+            for state in session.layers.values():
+                kept = state.true_positions[row][layout[row]].tolist()
+                assert kept[:4] == [0, 1, 2, 3] and kept[-12:] == list(range(length - 12, length))
