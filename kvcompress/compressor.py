@@ -156,11 +156,8 @@ class CompressionSession:
         layout = torch.cat([sequence.slot_valid, new_valid], dim=-1)
         if bool(layout.all()):
             kwargs["attention_mask"] = None
-        elif self.layout.sliding_layers and sequence.total != physical:
-            raise NotImplementedError(
-                "kvcompress: padded batches on models with sliding-window layers (Gemma 2/3, windowed Mistral / "
-                "Qwen) are not supported after eviction; run the sequences one at a time"
-            )
+        elif self.layout.sliding_layers:
+            kwargs["attention_mask"] = _per_layer_type_masks(module, tokens, mask, layout, cache, positions)
         else:
             kwargs["attention_mask"] = layout.to(mask.dtype if mask is not None else torch.long)
         sequence.forward_valid = new_valid
@@ -325,6 +322,22 @@ class CompressionSession:
                 tensor = getattr(state, name)
                 if tensor is not None:
                     setattr(state, name, tensor.index_select(0, beam_idx.to(tensor.device)))
+
+
+def _per_layer_type_masks(decoder, tokens, true_mask, compact_mask, cache, positions) -> dict[str, torch.Tensor]:
+    """Masks for hybrid models: compressed layers index the compacted slots, sliding layers the true sequence.
+
+    The decoders of hybrid models (Gemma 2/3, Qwen with ``layer_types``) accept this mapping in place of a 2-D
+    mask, so both kinds of layer get a mask that matches their own cache.
+    """
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    shape_only = torch.empty(*tokens.shape[:2], 0, dtype=decoder.embed_tokens.weight.dtype, device=tokens.device)
+    common = dict(config=decoder.config, inputs_embeds=shape_only, cache=cache, position_ids=positions)
+    return {
+        "full_attention": create_causal_mask(attention_mask=compact_mask, **common),
+        "sliding_attention": create_sliding_window_causal_mask(attention_mask=true_mask, **common),
+    }
 
 
 def _guard_cache(cache: DynamicCache, session: CompressionSession) -> None:

@@ -59,3 +59,14 @@ def test_pads_are_evicted_first_and_windows_count_real_tokens():
             for state in session.layers.values():
                 kept = state.true_positions[row][layout[row]].tolist()
                 assert kept[:4] == [0, 1, 2, 3] and kept[-12:] == list(range(length - 12, length))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3", "phi3"])
+def test_padded_batches_on_other_architectures(arch):
+    model = tiny_model(arch)
+    params = KVCacheCompressionParameters(start_size=4, intermediate_size=24, recent_size=12, decode_slack=4)
+    prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
+    batched = _generate(model, params, *_left_pad(prompts))
+    for row, prompt in enumerate(prompts):
+        alone = _generate(model, params, prompt, torch.ones_like(prompt))
+        assert torch.equal(batched[row], alone[0]), f"sequence {row} (length {prompt.shape[1]}) diverged"
