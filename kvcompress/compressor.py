@@ -142,17 +142,20 @@ class CompressionSession:
         sequence = self.sequence
 
         mask = kwargs.get("attention_mask")
-        new_valid = self._new_token_validity(mask, batch, length, (sequence.total, physical), device)
+        new_valid = self._new_token_validity(mask, batch, length, sequence.total, physical, device)
         offsets = new_valid.long().cumsum(-1) - 1
         true_positions = (sequence.seen[:, None] + offsets).clamp(min=0)
+        given = kwargs.get("position_ids")
+        if given is not None and sequence.total != physical:
+            self._check_true_positions(given.expand(batch, -1), true_positions, new_valid)
         if self.parameters.rerotate_keys:
             positions = (sequence.live[:, None] + offsets).clamp(min=0)
             kwargs["position_ids"] = positions
-        elif kwargs.get("position_ids") is None:
+        elif given is None:
             positions = true_positions
             kwargs["position_ids"] = positions
         else:
-            positions = kwargs["position_ids"].expand(batch, -1)
+            positions = given.expand(batch, -1)
         layout = torch.cat([sequence.slot_valid, new_valid], dim=-1)
         if bool(layout.all()):
             kwargs["attention_mask"] = None
@@ -206,8 +209,24 @@ class CompressionSession:
             )
 
     @staticmethod
-    def _new_token_validity(mask, batch: int, length: int, past_lengths: tuple[int, int], device) -> torch.Tensor:
-        """Which new tokens are real; a given 2-D mask must cover the past (as seen or as cached) + new tokens."""
+    def _check_true_positions(given: torch.Tensor, expected: torch.Tensor, new_valid: torch.Tensor) -> None:
+        """After eviction the cache no longer tells positions; a caller's position ids must be the true ones."""
+        if not torch.equal(given.to(expected.device)[new_valid], expected[new_valid]):
+            raise ValueError(
+                f"position_ids {given[0, :4].tolist()}... do not continue the compressed sequence, which is at "
+                f"{expected[0, :4].tolist()}...; pass the true positions or none. generate() cannot resume from a "
+                "compressed cache (it slices the prompt by the physical cache length); continue with "
+                "model(new_tokens, cache=...) calls, or start a fresh generate."
+            )
+
+    @staticmethod
+    def _new_token_validity(mask, batch: int, length: int, seen: int, cached: int, device) -> torch.Tensor:
+        """Which new tokens are real. A given 2-D mask must cover the whole sequence so far plus the new tokens.
+
+        A mask that only covers the cached slots is refused: that is what ``generate`` produces when it resumes
+        from a compressed cache (it slices the prompt by the physical cache length and would feed old tokens
+        again as new ones).
+        """
         if mask is None:
             return torch.ones(batch, length, dtype=torch.bool, device=device)
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -215,10 +234,15 @@ class CompressionSession:
                 "kvcompress needs a 2-D attention_mask (batch, tokens) or none; 4-D and dict masks cannot be "
                 "re-laid out after eviction"
             )
-        if mask.shape[-1] not in {past + length for past in past_lengths}:
+        if mask.shape[-1] != seen + length:
+            hint = (
+                " generate() cannot resume from a compressed cache (it slices the prompt by the physical cache "
+                "length); continue with model(new_tokens, cache=...) calls instead, or start a fresh generate."
+                if seen != cached else ""
+            )
             raise ValueError(
-                f"attention_mask covers {mask.shape[-1]} tokens, but the sequence has seen {past_lengths[0]} (of "
-                f"which {past_lengths[1]} are still cached) plus {length} new ones; pass a mask over all of them"
+                f"attention_mask covers {mask.shape[-1]} tokens, but the sequence has seen {seen} (of which "
+                f"{cached} are still cached) plus {length} new ones; pass a mask over all {seen + length}.{hint}"
             )
         return mask[:, -length:].to(device=device, dtype=torch.bool)
 
