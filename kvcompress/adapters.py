@@ -71,7 +71,7 @@ def _sliding_layer_indices(config) -> list[int]:
     return [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
 
 
-def _rotary_function(module: nn.Module) -> Callable:
+def rotary_function(module: nn.Module) -> Callable:
     return sys.modules[type(module).__module__].apply_rotary_pos_emb
 
 
@@ -91,7 +91,7 @@ def project_queries(
         queries = module.q_norm(queries)
     queries = queries.transpose(1, 2)
     cos, sin = position_embeddings
-    rotated, _ = _rotary_function(module)(queries, queries, cos, sin)
+    rotated, _ = rotary_function(module)(queries, queries, cos, sin)
     return rotated
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .adapters import _rotary_function
+from .adapters import rotary_function
 
 # inv_freq of these types depends on the sequence length, so a cached key cannot be moved by a fixed rotation.
 LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
@@ -35,5 +35,5 @@ def rotate_keys(
     angles = delta.to(torch.float32).unsqueeze(-1) * inv_freq.to(device=keys.device, dtype=torch.float32)
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos(), angles.sin()
-    rotated, _ = _rotary_function(attention_module)(keys.float(), keys.float(), cos, sin)
+    rotated, _ = rotary_function(attention_module)(keys.float(), keys.float(), cos, sin)
     return rotated.to(keys.dtype)
