@@ -164,6 +164,7 @@ class CompressionSession:
         else:
             kwargs["attention_mask"] = layout.to(mask.dtype if mask is not None else torch.long)
         sequence.forward_valid = new_valid
+        sequence.forward_layout = layout
         sequence.forward_positions = positions.to(torch.long)
         sequence.forward_true_positions = true_positions
         self._pending_layout = None
@@ -180,8 +181,9 @@ class CompressionSession:
             sequence.slot_valid = self._pending_layout
             sequence.evictions += 1
         else:
-            sequence.slot_valid = torch.cat([sequence.slot_valid, new_valid], dim=-1)
+            sequence.slot_valid = sequence.forward_layout
         sequence.forward_valid = sequence.forward_positions = sequence.forward_true_positions = None
+        sequence.forward_layout = None
         self._pending_layout = None
 
     def _start_sequence(self, cache: DynamicCache, batch: int, device: torch.device) -> None:
@@ -267,7 +269,7 @@ class CompressionSession:
                 f"kvcompress: layer {module.layer_idx} holds {total - length} cached slots but its scores cover "
                 f"{state.length}; the cache was modified outside the compressor"
             )
-        slot_valid = torch.cat([sequence.slot_valid, sequence.forward_valid], dim=-1)
+        slot_valid = sequence.forward_layout
         started = time.perf_counter()
         head_scores, counts = self._score(module, hidden_states, kwargs["position_embeddings"], layer.keys, slot_valid)
         value_norms = None
@@ -287,11 +289,12 @@ class CompressionSession:
         total = keys.shape[-2]
         observed = self.sequence.forward_valid
         if params.intermediate_size == 0:  # only fixed windows survive: scores are never read
-            return torch.zeros(batch, keys.shape[1], total, device=keys.device), torch.zeros(batch, total, device=keys.device)
+            return None, None
         pool = None
         if params.algorithm is KVCacheCompressionMode.SNAPKV:
-            window = torch.arange(length, device=keys.device) >= length - params.window_size
-            observed = observed & window
+            if length > params.window_size:
+                window = torch.arange(length, device=keys.device) >= length - params.window_size
+                observed = observed & window
             if length > 1:
                 pool = params.snapkv_kernel_size
         head_scores = observed_attention(

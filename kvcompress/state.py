@@ -26,6 +26,7 @@ class SequenceState:
     forward_valid: torch.Tensor | None = None  # (B, q) bool: which tokens of the current forward are real
     forward_positions: torch.Tensor | None = None  # (B, q) int64: RoPE positions the current forward uses
     forward_true_positions: torch.Tensor | None = None  # (B, q) int64: their positions in the full sequence
+    forward_layout: torch.Tensor | None = None  # (B, T + q) bool: slot_valid then forward_valid, built once a forward
     total: int = 0  # slots ever appended, padding included (the length of generate's 2-D mask)
     evictions: int = 0
 
@@ -34,40 +35,118 @@ class SequenceState:
         return self.slot_valid.sum(-1)
 
 
-@dataclasses.dataclass
-class LayerState:
-    """Accumulated importance of every slot of one layer."""
+# Spare slots reserved past the current length, so that decode steps (and the few slots per_token decode lets the
+# cache run over budget) append in place instead of reallocating: max(MIN_RESERVE, length * RESERVE_FRACTION).
+MIN_RESERVE = 64
+RESERVE_FRACTION = 0.25
 
-    head_scores: torch.Tensor  # (B, H_kv, T) float32: summed attention per KV head
-    counts: torch.Tensor  # (B, T) float32: how many observed queries could see the slot (norm_sum divisor)
-    rope_positions: torch.Tensor  # (B, T) int64: position the cached key is currently rotated to
-    true_positions: torch.Tensor  # (B, T) int64: the slot's position in the full sequence
-    value_norms: torch.Tensor | None = None  # (B, T) float32: mean over heads of ||v W_o||_1 (CriticalKV)
+
+class LayerState:
+    """Accumulated importance of every slot of one layer.
+
+    The five per-slot tensors are views of the first ``length`` slots of buffers with spare capacity:
+
+    * ``head_scores`` (B, H_kv, T) float32: summed attention per KV head;
+    * ``counts`` (B, T) float32: how many observed queries could see the slot (the norm_sum divisor);
+    * ``rope_positions`` (B, T) int64: the position the cached key is currently rotated to;
+    * ``true_positions`` (B, T) int64: the slot's position in the full sequence;
+    * ``value_norms`` (B, T) float32 or None: mean over heads of ||v W_o||_1 (CriticalKV).
+
+    ``append`` accumulates a forward's scores with one in-place add per tensor (the spare slots are kept at
+    zero), so a decode step neither reallocates nor copies the state; assigning an attribute replaces its buffer.
+    """
+
+    _FIELDS = ("head_scores", "counts", "rope_positions", "true_positions", "value_norms")
+
+    def __init__(self, head_scores, counts, rope_positions, true_positions, value_norms=None):
+        self._length = counts.shape[-1]
+        self._capacity = self._capacity_for(self._length)
+        self._buffers: dict[str, torch.Tensor | None] = {}
+        for name, tensor in zip(self._FIELDS, (head_scores, counts, rope_positions, true_positions, value_norms)):
+            setattr(self, name, tensor)
 
     @property
     def length(self) -> int:
-        return self.counts.shape[-1]
+        return self._length
 
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def __repr__(self) -> str:
+        return f"LayerState(length={self._length}, capacity={self._capacity})"
+
+    # ------------------------------------------------------------------ storage
+    def _view(self, name: str) -> torch.Tensor | None:
+        buffer = self._buffers[name]
+        return None if buffer is None else buffer[..., : self._length]
+
+    def _assign(self, name: str, tensor: torch.Tensor | None) -> None:
+        if tensor is None:
+            self._buffers[name] = None
+            return
+        if tensor.shape[-1] != self._length:
+            raise ValueError(f"{name} covers {tensor.shape[-1]} slots, the layer state {self._length}")
+        buffer = self._allocate_like(tensor, self._capacity)
+        buffer[..., : self._length] = tensor
+        self._buffers[name] = buffer
+
+    @staticmethod
+    def _capacity_for(length: int) -> int:
+        return length + max(MIN_RESERVE, int(length * RESERVE_FRACTION))
+
+    @staticmethod
+    def _allocate_like(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
+        return torch.zeros(*tensor.shape[:-1], capacity, dtype=tensor.dtype, device=tensor.device)
+
+    def _reserve(self, length: int) -> None:
+        """Make every buffer hold at least ``length`` slots; the spare slots stay zero."""
+        if length <= self._capacity:
+            return
+        self._capacity = self._capacity_for(length)
+        for name, buffer in self._buffers.items():
+            if buffer is not None:
+                grown = self._allocate_like(buffer, self._capacity)
+                grown[..., : self._length] = buffer[..., : self._length]
+                self._buffers[name] = grown
+
+    # ------------------------------------------------------------------ the protocol the compressor uses
     def append(self, step_head_scores, step_counts, rope_positions, true_positions, value_norms=None) -> None:
-        """Add one forward's observations: old slots accumulate, new slots are appended."""
-        old = self.length
-        self.head_scores = torch.cat(
-            [self.head_scores + step_head_scores[..., :old], step_head_scores[..., old:]], dim=-1
-        )
-        self.counts = torch.cat([self.counts + step_counts[..., :old], step_counts[..., old:]], dim=-1)
-        self.rope_positions = torch.cat([self.rope_positions, rope_positions], dim=-1)
-        self.true_positions = torch.cat([self.true_positions, true_positions], dim=-1)
+        """Add one forward's observations: old slots accumulate, new slots are appended.
+
+        ``step_head_scores`` (B, H_kv, T') and ``step_counts`` (B, T') cover the old slots and the new ones
+        (T' = length + q); positions and value norms (B, q) cover the new slots only. Scores and counts may be
+        None when nothing reads them (no scored area): the new slots then start at zero without any work.
+        """
+        old = self._length
+        new = old + rope_positions.shape[-1]
+        self._reserve(new)
+        buffers = self._buffers
+        if step_head_scores is not None:  # the slots past ``old`` are zero: this adds and appends at once
+            buffers["head_scores"][..., :new] += step_head_scores
+        if step_counts is not None:
+            buffers["counts"][..., :new] += step_counts
+        buffers["rope_positions"][..., old:new] = rope_positions
+        buffers["true_positions"][..., old:new] = true_positions
         if value_norms is not None:
-            self.value_norms = value_norms if self.value_norms is None else torch.cat([self.value_norms, value_norms], -1)
+            if buffers["value_norms"] is None:
+                buffers["value_norms"] = self._allocate_like(value_norms, self._capacity)
+            buffers["value_norms"][..., old:new] = value_norms
+        self._length = new
 
     def gather(self, keep: torch.Tensor) -> None:
         """Keep only the slots ``keep`` (B, K), in that order."""
-        self.head_scores = self.head_scores.gather(-1, keep.unsqueeze(1).expand(-1, self.head_scores.shape[1], -1))
-        self.counts = self.counts.gather(-1, keep)
-        self.rope_positions = self.rope_positions.gather(-1, keep)
-        self.true_positions = self.true_positions.gather(-1, keep)
-        if self.value_norms is not None:
-            self.value_norms = self.value_norms.gather(-1, keep)
+        width = keep.shape[-1]
+        self._capacity = self._capacity_for(width)
+        for name, buffer in self._buffers.items():
+            if buffer is None:
+                continue
+            current = buffer[..., : self._length]
+            index = keep if current.dim() == 2 else keep.unsqueeze(1).expand(-1, current.shape[1], -1)
+            kept = self._allocate_like(current, self._capacity)
+            kept[..., :width] = current.gather(-1, index)
+            self._buffers[name] = kept
+        self._length = width
 
     @classmethod
     def empty(cls, batch: int, kv_heads: int, device: torch.device) -> "LayerState":
@@ -77,3 +156,12 @@ class LayerState:
             rope_positions=torch.zeros(batch, 0, dtype=torch.long, device=device),
             true_positions=torch.zeros(batch, 0, dtype=torch.long, device=device),
         )
+
+
+def _field(name: str) -> property:
+    return property(lambda self: self._view(name), lambda self, tensor: self._assign(name, tensor))
+
+
+for _name in LayerState._FIELDS:
+    setattr(LayerState, _name, _field(_name))
+del _name

@@ -10,7 +10,7 @@ import dataclasses
 import io
 import json
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,27 +76,34 @@ def validate_record(record: Any, task: Task, where: str) -> dict[str, Any]:
             raise DataError(f"{where}: field {name!r} must be {expected}, got {record[name]!r:.80}")
     # LongBench-E files may name either the base task or the _e configuration (unverified on the real files).
     if record["dataset"] not in (task.base, task.name):
-        raise DataError(f"{where}: field 'dataset' is {record['dataset']!r}, expected {task.base!r} for task {task.name}")
+        raise DataError(
+            f"{where}: field 'dataset' is {record['dataset']!r}, expected {task.base!r} for task {task.name}"
+        )
     if task.metric == "classification_score" and not record["all_classes"]:
         raise DataError(f"{where}: field 'all_classes' must list the labels for the classification task {task.name}")
     return record
 
 
-def _parse_jsonl(lines: Iterable[str], task: Task, source: str) -> list[dict[str, Any]]:
+def _checked(rows: Iterable[tuple[str, Any]], task: Task) -> list[dict[str, Any]]:
+    """Validates ``(where, record)`` pairs and rejects a repeated ``_id``, which resuming and merging key on."""
     records: list[dict[str, Any]] = []
-    first_line_of: dict[str, int] = {}
+    first_seen: dict[str, str] = {}
+    for where, record in rows:
+        validate_record(record, task, where)
+        if record["_id"] in first_seen:
+            raise DataError(f"{where}: _id {record['_id']!r} already appeared at {first_seen[record['_id']]}")
+        first_seen[record["_id"]] = where
+        records.append(record)
+    return records
+
+
+def _parse_jsonl(lines: Iterable[str], source: str) -> Iterator[tuple[str, Any]]:
     for number, line in enumerate(lines, start=1):
         where = f"{source} line {number}"
         try:
-            record = json.loads(line)
+            yield where, json.loads(line)
         except json.JSONDecodeError as error:
             raise DataError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-        validate_record(record, task, where)
-        if record["_id"] in first_line_of:
-            raise DataError(f"{where}: _id {record['_id']!r} repeats line {first_line_of[record['_id']]}")
-        first_line_of[record["_id"]] = number
-        records.append(record)
-    return records
 
 
 def _load_folder(folder: Path, task: Task) -> list[dict[str, Any]]:
@@ -107,16 +114,18 @@ def _load_folder(folder: Path, task: Task) -> list[dict[str, Any]]:
         ).is_dir() else ""
         raise DataError(f"no file {path.name} for task {task.name} in {folder}{hint}")
     with path.open(encoding="utf-8") as handle:
-        return _parse_jsonl(handle, task, str(path))
+        return _checked(_parse_jsonl(handle, str(path)), task)
 
 
 def _load_zip(archive: Path, task: Task) -> list[dict[str, Any]]:
     member = f"data/{task.name}.jsonl"
     with zipfile.ZipFile(archive) as bundle:
         if member not in bundle.namelist():
-            raise DataError(f"{archive} has no {member} (the official data.zip layout); it holds {bundle.namelist()[:8]}")
+            raise DataError(
+                f"{archive} has no {member} (the official data.zip layout); it holds {bundle.namelist()[:8]}"
+            )
         with bundle.open(member) as raw:
-            return _parse_jsonl(io.TextIOWrapper(raw, encoding="utf-8"), task, f"{archive}:{member}")
+            return _checked(_parse_jsonl(io.TextIOWrapper(raw, encoding="utf-8"), f"{archive}:{member}"), task)
 
 
 def _split_template(task: Task) -> tuple[str, str | None, str]:
@@ -141,7 +150,9 @@ def _from_prompt_parts(row: Mapping[str, Any], task: Task, where: str) -> dict[s
     head, middle, tail = _split_template(task)
     stored_context = row["context"]
     if not (full.startswith(head) and full.endswith(tail) and stored_context.startswith(head)):
-        raise DataError(f"{where}: the row's context/question/answer_prefix do not form the official {task.base} prompt")
+        raise DataError(
+            f"{where}: the row's context/question/answer_prefix do not form the official {task.base} prompt"
+        )
     body = full[len(head):len(full) - len(tail)]
     fields = {key: value for key, value in row.items() if key != "question"}
     if middle is None:  # templates without {input}: the official input is ""
@@ -167,20 +178,20 @@ def _load_hub(dataset_id: str, task: Task) -> list[dict[str, Any]]:
         if "script" in str(error).lower():
             raise DataError(f"{hint}\n(datasets said: {error})") from error
         raise
-    records, seen = [], {}
+    return _checked(_official_rows(rows, task, f"{dataset_id}/{task.name}"), task)
+
+
+def _official_rows(
+    rows: Iterable[Mapping[str, Any]], task: Task, source: str
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Hub rows in the official schema; rows in kvpress's layout are converted back first."""
     for number, row in enumerate(rows, start=1):
-        where = f"{dataset_id}/{task.name} row {number}"
-        row = dict(row)
+        where, row = f"{source} row {number}", dict(row)
         if "input" not in row and "question" in row:
             row = _from_prompt_parts(row, task, where)
         for extra in ("answer_prefix", "task", "max_new_tokens"):  # kvpress columns the official schema lacks
             row.pop(extra, None)
-        validate_record(row, task, where)
-        if row["_id"] in seen:
-            raise DataError(f"{where}: _id {row['_id']!r} repeats row {seen[row['_id']]}")
-        seen[row["_id"]] = number
-        records.append(row)
-    return records
+        yield where, row
 
 
 def load_task(source: DataSource, task_name: str) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from rouge import Rouge
 __all__ = [
     "METRIC_FIXES", "METRICS", "normalize_answer", "normalize_zh_answer", "f1_score", "qa_f1_score",
     "qa_f1_zh_score", "rouge_score", "rouge_zh_score", "classification_score", "retrieval_score",
-    "retrieval_zh_score", "count_score", "code_sim_score", "fuzz_ratio",
+    "retrieval_zh_score", "count_score", "code_sim_score", "fuzz_ratio", "check_fixes",
 ]
 
 jieba.setLogLevel(logging.WARNING)  # jieba announces its dictionary build on stderr at DEBUG level

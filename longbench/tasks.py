@@ -73,7 +73,9 @@ PROMPTS: dict[str, str] = {
         "Answer the question based on the given passage. Only give me the answer and do not output any other words. "
         "The following are some examples.\n\n{context}\n\n{input}"
     ),
-    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
+    "samsum": (
+        "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}"
+    ),
     "lsht": "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}",
     "passage_count": (
         "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully "

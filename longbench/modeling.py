@@ -1,0 +1,48 @@
+"""Loading the experiment's model and tokenizer onto this rank's device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .experiment import DEFAULT_MODEL, ModelSpec
+from .sharding import Shard
+
+__all__ = ["load_model", "input_device"]
+
+
+def _device(shard: Shard) -> torch.device:
+    """One model per process: ``cuda:LOCAL_RANK`` when there is a GPU, else the CPU."""
+    return torch.device(f"cuda:{shard.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_model(spec: ModelSpec, shard: Shard) -> tuple[Any, Any]:
+    """Returns ``(model, tokenizer)`` in eval mode. ``device_map`` (e.g. ``auto``) spreads a model too large for
+    one device and then replaces the per-rank placement."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = spec.dtype if spec.dtype == "auto" else getattr(torch, spec.dtype)
+    if spec.path == DEFAULT_MODEL:
+        from kvcompress.models import load_default_model
+
+        model, tokenizer = load_default_model(
+            dtype=torch.float32 if dtype == "auto" else dtype, attn_implementation=spec.attn_implementation
+        )
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(spec.path)
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.path, dtype=dtype, attn_implementation=spec.attn_implementation, device_map=spec.device_map
+        )
+    if spec.device_map is None:
+        model = model.to(_device(shard))
+    if model.generation_config.pad_token_id is None:  # silences generate()'s per-call warning; batch size is 1
+        model.generation_config.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
+    return model.eval(), tokenizer
+
+
+def input_device(model: Any) -> torch.device:
+    """Where the prompt's ids must go: the embedding's device, also under a multi-device ``device_map``."""
+    return model.get_input_embeddings().weight.device

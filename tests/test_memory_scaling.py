@@ -1,0 +1,82 @@
+"""A compressed prefill allocates no length × length buffer (issue 6, DESIGN §3 and §8).
+
+Scoring recomputes attention inside the hook. Doing that for every query at once (H2O) would allocate
+B · H · L² float32 logits, which is exactly what makes other libraries' H2O unusable at long contexts. The
+scorer works in query chunks whose size is bounded linearly in the forward's length; this test checks the
+consequence on the whole prefill: the largest single allocation ``torch.profiler`` records grows linearly
+(×4 at most, plus slack) when the prompt grows ×4, where a quadratic buffer would grow ×16. The last test
+removes the chunk bound and checks that the same measurement then flags the prefill, so the check can fail.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import random_tokens, tiny_model
+from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from kvcompress.scoring import attention
+
+SHORT, LONG = 512, 2048  # the prompt grows ×4: linear buffers grow ≤ ×4, a length² buffer ×16
+LINEAR_GROWTH_LIMIT = 6.0
+BUDGET = dict(start_size=8, intermediate_size=48, recent_size=8)
+
+
+def _params(algorithm: str, strategy: str) -> KVCacheCompressionParameters:
+    if strategy == "per_group":
+        return KVCacheCompressionParameters(
+            algorithm=algorithm, strategy="per_group", group_size=8, **BUDGET
+        )
+    return KVCacheCompressionParameters(algorithm=algorithm, **BUDGET)
+
+
+def largest_allocation(model, params, length: int, padded: bool = False) -> int:
+    """Bytes of the largest single tensor allocation of one prefill of ``length`` tokens (uncompressed: no params)."""
+    ids = random_tokens(length, batch=2 if padded else 1)
+    kwargs = {}
+    if padded:  # the second sequence is left-padded by a quarter of the prompt
+        mask = torch.ones_like(ids)
+        mask[1, : length // 4] = 0
+        kwargs["attention_mask"] = mask
+    session = KVCacheCompressor(params)(model) if params is not None else contextlib.nullcontext()
+    with torch.no_grad(), session:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model(ids, use_cache=True, logits_to_keep=1, **kwargs)
+    # An operator's self memory is what it allocated and did not free itself: its output tensors (and, for
+    # aten::empty and friends, the buffers composite operators build their results in).
+    return max(event.self_cpu_memory_usage for event in prof.events())
+
+
+@pytest.mark.parametrize("strategy", ["per_token", "per_group"])
+@pytest.mark.parametrize("algorithm", ["h2o", "snapkv"])
+def test_largest_prefill_allocation_grows_linearly(algorithm, strategy):
+    model = tiny_model("llama")
+    params = _params(algorithm, strategy)
+    short = largest_allocation(model, params, SHORT)
+    long = largest_allocation(model, params, LONG)
+    assert long / short <= LINEAR_GROWTH_LIMIT, (
+        f"{algorithm}/{strategy}: the largest allocation grew from {short} to {long} bytes (×{long / short:.1f}) "
+        f"when the prompt grew ×{LONG // SHORT}: something scales with length²"
+    )
+    assert long < LONG * LONG * 4, f"an allocation of {long} bytes is as large as one float32 {LONG}² matrix"
+
+
+def test_padded_batch_prefill_allocates_nothing_larger_than_the_model_does():
+    """With padding transformers itself builds a (B, 1, L, L) mask; scoring must stay far below it."""
+    model = tiny_model("llama")
+    compressed = largest_allocation(model, _params("h2o", "per_token"), LONG, padded=True)
+    uncompressed = largest_allocation(model, None, LONG, padded=True)
+    assert compressed <= uncompressed, (
+        f"padded H2O prefill: a {compressed}-byte allocation, the uncompressed prefill's largest is {uncompressed}"
+    )
+
+
+def test_the_measurement_flags_an_unbounded_chunk(monkeypatch):
+    """Without the chunk bound H2O scores every query at once: the test above must then fail."""
+    monkeypatch.setattr(attention, "chunk_elements", lambda batch, length, hidden: 1 << 40)
+    model = tiny_model("llama")
+    params = _params("h2o", "per_token")
+    short = largest_allocation(model, params, SHORT)
+    long = largest_allocation(model, params, LONG)
+    assert long / short > 10, f"an unbounded chunk grew only ×{long / short:.1f}: the measurement is blind"
