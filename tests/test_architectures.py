@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import TINY_CONFIGS, random_tokens, tiny_model
+from tiny_models import TINY_CONFIGS, random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 
 PARAMS = KVCacheCompressionParameters(start_size=4, intermediate_size=16, recent_size=8)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import random_tokens, tiny_model
+from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 
 

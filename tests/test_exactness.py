@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import TINY_CONFIGS, random_tokens, tiny_model
+from tiny_models import TINY_CONFIGS, random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 
 LARGE = dict(start_size=32, intermediate_size=512, recent_size=64)

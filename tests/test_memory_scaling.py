@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import random_tokens, tiny_model
+from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.scoring import attention
 

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from conftest import random_tokens, tiny_model
+from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 
 COMBINATIONS = list(itertools.product(["h2o", "snapkv"], ["per_token", "per_group"], [None, "kvcrush", "criticalkv"],

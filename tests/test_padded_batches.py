@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import random_tokens, tiny_model
+from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 
 LENGTHS = (90, 61, 120, 37)  # the last one fits in the budget at first: it must evict on its own schedule

@@ -9,7 +9,7 @@ norm_sum divides by the number of observing queries.
 import pytest
 import torch
 
-from conftest import random_tokens, tiny_model
+from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.scoring.aggregation import head_eviction_scores
 

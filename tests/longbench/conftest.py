@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,18 +28,6 @@ CHAT_TEMPLATE = (
 # Small enough that the longer sample records are middle-truncated.
 TEST_MAX_LENGTH = 384
 TEST_MAX_NEW_TOKENS = 6
-
-
-def pytest_configure(config) -> None:
-    """Hands the module name ``conftest`` back to ``tests/conftest.py``.
-
-    pytest registers every conftest.py without a package under the name ``conftest``, and this folder is collected
-    before ``tests/test_*.py``, which import their helpers with ``from conftest import ...``. Without this, they
-    would get this module. Called once this module is fully imported (so unregistering it is safe); their import
-    then loads ``tests/conftest.py``, which pytest puts first on sys.path before importing a test in ``tests/``.
-    """
-    if getattr(sys.modules.get("conftest"), "__file__", None) == __file__:
-        del sys.modules["conftest"]
 
 
 def _corpus() -> list[str]:

@@ -1,8 +1,7 @@
-"""Tiny random-initialised models of every supported architecture, built offline from configs."""
+"""Tiny random-initialised models of every supported architecture, built offline from configs (test helpers)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers
 
@@ -41,8 +40,3 @@ def tiny_model(arch: str = "llama", attn_implementation: str = "sdpa", seed: int
 def random_tokens(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, _COMMON["vocab_size"], (batch, length), generator=generator)
-
-
-@pytest.fixture
-def llama():
-    return tiny_model("llama")
