@@ -28,6 +28,10 @@ from .selection.windows import left_aligned_indices, select_keep_mask
 from .state import LayerState, SequenceState
 
 _ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_RESUME_HINT = (
+    "generate() cannot resume from a compressed cache (it slices the prompt by the physical cache length); "
+    "continue with model(new_tokens, cache=...) calls, or start a fresh generate."
+)
 
 
 class KVCacheCompressor:
@@ -216,9 +220,7 @@ class CompressionSession:
         if not torch.equal(given.to(expected.device)[new_valid], expected[new_valid]):
             raise ValueError(
                 f"position_ids {given[0, :4].tolist()}... do not continue the compressed sequence, which is at "
-                f"{expected[0, :4].tolist()}...; pass the true positions or none. generate() cannot resume from a "
-                "compressed cache (it slices the prompt by the physical cache length); continue with "
-                "model(new_tokens, cache=...) calls, or start a fresh generate."
+                f"{expected[0, :4].tolist()}...; pass the true positions or none. {_RESUME_HINT}"
             )
 
     @staticmethod
@@ -237,11 +239,7 @@ class CompressionSession:
                 "re-laid out after eviction"
             )
         if mask.shape[-1] != seen + length:
-            hint = (
-                " generate() cannot resume from a compressed cache (it slices the prompt by the physical cache "
-                "length); continue with model(new_tokens, cache=...) calls instead, or start a fresh generate."
-                if seen != cached else ""
-            )
+            hint = f" {_RESUME_HINT}" if seen != cached else ""
             raise ValueError(
                 f"attention_mask covers {mask.shape[-1]} tokens, but the sequence has seen {seen} (of which "
                 f"{cached} are still cached) plus {length} new ones; pass a mask over all {seen + length}.{hint}"
@@ -285,7 +283,7 @@ class CompressionSession:
 
     def _score(self, module, hidden_states, position_embeddings, keys, slot_valid):
         params = self.parameters
-        batch, length = hidden_states.shape[:2]
+        length = hidden_states.shape[1]
         total = keys.shape[-2]
         observed = self.sequence.forward_valid
         if params.intermediate_size == 0:  # only fixed windows survive: scores are never read
