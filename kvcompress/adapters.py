@@ -1,9 +1,8 @@
 """Per-architecture facts the hooks need, gathered in one place so that scoring stays model-agnostic.
 
-Scores are recomputed from the attention module's own weights (no eager attention required), so the adapter
-must reproduce exactly how each architecture forms its queries: a plain ``q_proj``, a fused ``qkv_proj``
-(Phi-3), a per-head ``q_norm`` (Qwen3, Gemma 3), its own ``apply_rotary_pos_emb`` (partial rotary on Phi-3),
-its scaling and Gemma 2's logit soft-capping.
+Scores come from the module's own post-RoPE queries (handed over by the session's attention function), so
+the adapter only locates the decoder, its attention modules, sliding-window layers and rotary embedding, and
+the functions rerotation and CriticalKV reuse (each model file's ``apply_rotary_pos_emb``, ``o_proj``).
 """
 
 from __future__ import annotations
@@ -73,41 +72,6 @@ def _sliding_layer_indices(config) -> list[int]:
 
 def rotary_function(module: nn.Module) -> Callable:
     return sys.modules[type(module).__module__].apply_rotary_pos_emb
-
-
-def project_queries(
-    module: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
-    """Queries with RoPE, shape (B, H_q, q, d), exactly as the module's forward computes them."""
-    batch, length, _ = hidden_states.shape
-    head_dim = module.head_dim
-    if hasattr(module, "q_proj"):
-        queries = module.q_proj(hidden_states)
-    else:  # Phi-3: fused projection, queries first
-        num_heads = module.config.num_attention_heads
-        queries = module.qkv_proj(hidden_states)[..., : num_heads * head_dim]
-    queries = queries.view(batch, length, -1, head_dim)
-    if hasattr(module, "q_norm"):
-        queries = module.q_norm(queries)
-    queries = queries.transpose(1, 2)
-    cos, sin = position_embeddings
-    rotated, _ = rotary_function(module)(queries, queries, cos, sin)
-    return rotated
-
-
-def attention_logits(module: nn.Module, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Scaled (and soft-capped where the model does it) logits, float32, shape (B, H_kv, G, q, T).
-
-    Query heads are grouped by their KV head instead of repeating the keys, so GQA costs no key copy.
-    """
-    batch, num_q_heads, length, head_dim = queries.shape
-    num_kv_heads = keys.shape[1]
-    grouped = queries.view(batch, num_kv_heads, num_q_heads // num_kv_heads, length, head_dim)
-    logits = torch.matmul(grouped, keys.unsqueeze(2).transpose(-1, -2)).float() * module.scaling
-    softcap = getattr(module, "attn_logit_softcapping", None)
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
 
 
 def value_projection_weight(module: nn.Module) -> torch.Tensor:

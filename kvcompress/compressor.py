@@ -1,9 +1,11 @@
 """The context manager: attaches hooks to a model, owns the per-layer state, and detaches on exit or error.
 
 Data flow of one forward: the decoder pre-hook fixes the inputs for the compacted cache (true or compact
-position ids, a 2-D mask in the physical slot layout); each full-attention module's forward hook scores the
-slots, appends the scores to its layer state and, once the layer is over budget, evicts (gather + optional
-rerotation); the decoder post-hook commits the new slot layout that every layer now shares.
+position ids, a 2-D mask in the physical slot layout); each full-attention module's attention call goes through
+the session (``attention_function``), which scores the slots from the module's own queries (computing the
+attention output in the same pass where that is cheaper); the module's forward hook appends the scores to its
+layer state and, once the layer is over budget, evicts (gather + optional rerotation); the decoder post-hook
+commits the new slot layout that every layer now shares.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
+from . import attention_function
 from .adapters import ModelLayout, inspect_model, value_projection_weight
 from .cache import check_supported_cache, compact_layer
 from .parameters import KVCacheCompressionMode, KVCacheCompressionParameters
@@ -69,6 +72,10 @@ class CompressionSession:
         self.timings: dict[str, float] = defaultdict(float)
         self._handles: list[Any] = []
         self._pending_layout: torch.Tensor | None = None
+        self._scored: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self._due: list[tuple[nn.Module, Any, LayerState]] = []  # decode-step evictions, run after the forward
+        self._restore_attention = None
+        self._observation: tuple[torch.Tensor, int | None, torch.Tensor] | None = None  # this forward's, see _observe
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "CompressionSession":
@@ -91,9 +98,10 @@ class CompressionSession:
                 layout.decoder.register_forward_pre_hook(self._before_decoder, with_kwargs=True)
             )
             self._handles.append(layout.decoder.register_forward_hook(self._after_decoder, with_kwargs=True))
-            for index, module in enumerate(layout.attention_modules):
-                if index not in layout.sliding_layers:
-                    self._handles.append(module.register_forward_hook(self._after_attention, with_kwargs=True))
+            compressed = [m for i, m in enumerate(layout.attention_modules) if i not in layout.sliding_layers]
+            for module in compressed:
+                self._handles.append(module.register_forward_hook(self._after_attention, with_kwargs=True))
+            self._restore_attention = attention_function.install(compressed, self._attend)
         except BaseException:
             self._detach()
             raise
@@ -107,8 +115,13 @@ class CompressionSession:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._restore_attention is not None:
+            self._restore_attention()
+            self._restore_attention = None
         self.sequence = None
         self.layers.clear()
+        self._scored.clear()
+        self._due.clear()
         self._pending_layout = None
         _ACTIVE_MODELS.discard(self.model)
 
@@ -137,7 +150,8 @@ class CompressionSession:
                 return None
             cache = DynamicCache(config=module.config)
             kwargs[cache_key] = cache
-        check_supported_cache(cache)
+        if self.sequence is None or self.sequence.cache_id != id(cache):  # a cache not yet vetted
+            check_supported_cache(cache)
         physical = self._physical_length(cache)
         device = tokens.device
         if physical == 0:
@@ -161,7 +175,8 @@ class CompressionSession:
         else:
             positions = given.expand(batch, -1)
         layout = torch.cat([sequence.slot_valid, new_valid], dim=-1)
-        if bool(layout.all()):
+        sequence.forward_all_live = bool(layout.all())
+        if sequence.forward_all_live:
             kwargs["attention_mask"] = None
         elif self.layout.sliding_layers:
             kwargs["attention_mask"] = _per_layer_type_masks(module, tokens, mask, layout, cache, positions)
@@ -172,12 +187,18 @@ class CompressionSession:
         sequence.forward_positions = positions.to(torch.long)
         sequence.forward_true_positions = true_positions
         self._pending_layout = None
+        self._due.clear()  # left over only if an earlier forward failed half-way
+        self._scored.clear()
+        self._observation = None
         return args, kwargs
 
     def _after_decoder(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         sequence = self.sequence
         if sequence is None or sequence.forward_valid is None:
             return
+        if self._due:
+            due, self._due = self._due, []
+            self._evict(due, sequence.forward_layout, self._eviction_threshold(1))
         new_valid = sequence.forward_valid
         sequence.seen = sequence.seen + new_valid.sum(-1)
         sequence.total += new_valid.shape[-1]
@@ -246,30 +267,74 @@ class CompressionSession:
             )
         return mask[:, -length:].to(device=device, dtype=torch.bool)
 
-    # ------------------------------------------------------------------ attention hook
+    # ------------------------------------------------------------------ attention call and hook
+    def _attend(self, module, query, key, value, attention_mask, original, **kwargs):
+        """The module's attention call: its output, and this forward's scores for the forward hook.
+
+        H2O and decode steps compute both in one pass (``observed_attention`` with the values); SnapKV's window,
+        training-mode calls (dropout) and calls that return attention weights keep the original function for the
+        output and score on the side.
+        """
+        sequence = self.sequence
+        if sequence is None or sequence.forward_valid is None:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        started = time.perf_counter()
+        output = head_scores = counts = None
+        if self.parameters.intermediate_size > 0:  # else only fixed windows survive: scores are never read
+            observed, pool, counts = self._observe(query.shape[2], key.shape[-2])
+            # the caller may want the original's weights (output_attentions) or its dropout
+            fuse = pool is None and not kwargs.get("dropout") and not kwargs.get("output_attentions")
+            head_scores, output = observed_attention(
+                query, key, sequence.forward_layout, observed, kwargs.get("scaling") or module.scaling,
+                softcap=kwargs.get("softcap"), pool_kernel=pool, values=value if fuse else None,
+                all_live=sequence.forward_all_live,
+            )
+        self._scored[module.layer_idx] = head_scores, counts
+        self.timings["attention_and_scoring" if output is not None else "scoring"] += time.perf_counter() - started
+        if output is None:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        return output, None
+
+    def _observe(self, length: int, total: int) -> tuple[torch.Tensor, int | None, torch.Tensor]:
+        """Which queries of this forward count, SnapKV's pooling kernel, and the observation counts.
+
+        The same for every compressed layer (they share the slot layout), so computed once per forward.
+        """
+        if self._observation is None:
+            params = self.parameters
+            observed = self.sequence.forward_valid
+            pool = None
+            if params.algorithm is KVCacheCompressionMode.SNAPKV and length > 1:
+                if length > params.window_size:
+                    observed = observed & (torch.arange(length, device=observed.device) >= length - params.window_size)
+                pool = params.snapkv_kernel_size
+            self._observation = observed, pool, observation_counts(observed, total)
+        return self._observation
+
     def _after_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         sequence = self.sequence
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if sequence is None or sequence.forward_valid is None or cache is None:
             return
         layer = cache.layers[module.layer_idx]
-        if getattr(layer, "is_sliding", False):
-            return
-        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        length = hidden_states.shape[1]
+        length = sequence.forward_valid.shape[-1]
         total = layer.keys.shape[-2]
         state = self.layers.get(module.layer_idx)
         if state is None:
-            state = LayerState.empty(hidden_states.shape[0], layer.keys.shape[1], layer.keys.device)
+            state = LayerState.empty(layer.keys.shape[0], layer.keys.shape[1], layer.keys.device)
             self.layers[module.layer_idx] = state
         if state.length != total - length:
             raise RuntimeError(
                 f"kvcompress: layer {module.layer_idx} holds {total - length} cached slots but its scores cover "
                 f"{state.length}; the cache was modified outside the compressor"
             )
-        slot_valid = sequence.forward_layout
+        if module.layer_idx not in self._scored:
+            raise RuntimeError(
+                f"kvcompress: layer {module.layer_idx} ran without the session's attention function (was "
+                "config._attn_implementation changed inside the `with` block?)"
+            )
+        head_scores, counts = self._scored.pop(module.layer_idx)
         started = time.perf_counter()
-        head_scores, counts = self._score(module, hidden_states, kwargs["position_embeddings"], layer.keys, slot_valid)
         value_norms = None
         if self.parameters.refined_algorithm == "criticalkv":
             value_norms = projected_value_l1(
@@ -279,26 +344,10 @@ class CompressionSession:
         self.timings["scoring"] += time.perf_counter() - started
         threshold = self._eviction_threshold(length)
         if total > threshold:
-            self._evict(module, layer, state, slot_valid, threshold)
-
-    def _score(self, module, hidden_states, position_embeddings, keys, slot_valid):
-        params = self.parameters
-        length = hidden_states.shape[1]
-        total = keys.shape[-2]
-        observed = self.sequence.forward_valid
-        if params.intermediate_size == 0:  # only fixed windows survive: scores are never read
-            return None, None
-        pool = None
-        if params.algorithm is KVCacheCompressionMode.SNAPKV:
-            if length > params.window_size:
-                window = torch.arange(length, device=keys.device) >= length - params.window_size
-                observed = observed & window
-            if length > 1:
-                pool = params.snapkv_kernel_size
-        head_scores = observed_attention(
-            module, hidden_states, position_embeddings, keys, slot_valid, observed, pool_kernel=pool
-        )
-        return head_scores, observation_counts(observed, total)
+            if length == 1:  # a decode step: every due layer is evicted at once when the forward ends
+                self._due.append((module, layer, state))
+            else:  # a prefill evicts right away, so that at most one layer at a time holds the whole prompt
+                self._evict([(module, layer, state)], sequence.forward_layout, threshold)
 
     def _eviction_threshold(self, length: int) -> float:
         params = self.parameters
@@ -310,29 +359,42 @@ class CompressionSession:
             return params.max_cache_size + params.decode_slack
         return params.max_cache_size
 
-    def _evict(self, module: nn.Module, layer, state: LayerState, slot_valid: torch.Tensor, threshold: float) -> None:
+    def _evict(self, layers: list[tuple[nn.Module, Any, LayerState]], slot_valid: torch.Tensor, threshold: float) -> None:
+        """Compact ``layers`` (module, cache layer, state) with one selection for all of them.
+
+        Selection treats every (layer, sequence) row independently, so stacking the layers' scores as rows
+        gives each layer exactly what it would get alone, for the cost of one call instead of one per layer.
+        """
         started = time.perf_counter()
+        states = [state for _, _, state in layers]
+        value_norms = None
+        if states[0].value_norms is not None:
+            value_norms = torch.cat([state.value_norms for state in states])
+        slot_rows = slot_valid.repeat(len(layers), 1)
         keep = select_keep_mask(
-            head_eviction_scores(state, self.parameters.score_aggregation), slot_valid, self.parameters,
-            state.value_norms,
+            torch.cat([head_eviction_scores(state, self.parameters.score_aggregation) for state in states]),
+            slot_rows, self.parameters, value_norms,
         )
         # Each sequence evicts on its own schedule (as it would alone); padding only makes the batch wider.
-        keep = torch.where((slot_valid.sum(-1) > threshold)[:, None], keep, slot_valid)
-        index, valid = left_aligned_indices(keep)
+        keep = torch.where((slot_rows.sum(-1) > threshold)[:, None], keep, slot_rows)
+        indices, valid_rows = left_aligned_indices(keep)
         self.timings["selection"] += time.perf_counter() - started
         started = time.perf_counter()
-        compact_layer(layer, index)
-        state.gather(index)
-        if self.parameters.rerotate_keys:
-            compact = (valid.long().cumsum(-1) - 1).clamp(min=0)
-            delta = torch.where(valid, compact - state.rope_positions, 0)
-            layer.keys = rotate_keys(module, layer.keys, delta, self.layout.rotary_emb.inv_freq)
-            state.rope_positions = torch.where(valid, compact, state.rope_positions)
+        batch = slot_valid.shape[0]
+        for number, (module, layer, state) in enumerate(layers):
+            index, valid = indices[number * batch : (number + 1) * batch], valid_rows[number * batch : (number + 1) * batch]
+            compact_layer(layer, index)
+            state.gather(index)
+            if self.parameters.rerotate_keys:
+                compact = (valid.long().cumsum(-1) - 1).clamp(min=0)
+                delta = torch.where(valid, compact - state.rope_positions, 0)
+                layer.keys = rotate_keys(module, layer.keys, delta, self.layout.rotary_emb.inv_freq)
+                state.rope_positions = torch.where(valid, compact, state.rope_positions)
+            if self._pending_layout is None:
+                self._pending_layout = valid
+            elif not torch.equal(self._pending_layout, valid):
+                raise RuntimeError("kvcompress: layers disagree on the kept slot layout (internal error)")
         self.timings["compaction"] += time.perf_counter() - started
-        if self._pending_layout is None:
-            self._pending_layout = valid
-        elif not torch.equal(self._pending_layout, valid):
-            raise RuntimeError("kvcompress: layers disagree on the kept slot layout (internal error)")
 
     # ------------------------------------------------------------------ cache guards
     def _reorder(self, beam_idx: torch.Tensor) -> None:

@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from .cache import gather_slots
+
 
 @dataclasses.dataclass
 class SequenceState:
@@ -27,6 +29,7 @@ class SequenceState:
     forward_positions: torch.Tensor | None = None  # (B, q) int64: RoPE positions the current forward uses
     forward_true_positions: torch.Tensor | None = None  # (B, q) int64: their positions in the full sequence
     forward_layout: torch.Tensor | None = None  # (B, T + q) bool: slot_valid then forward_valid, built once a forward
+    forward_all_live: bool = False  # forward_layout has no dead slot (no padding): scoring can skip its masks
     total: int = 0  # slots ever appended, padding included (the length of generate's 2-D mask)
     evictions: int = 0
 
@@ -141,10 +144,8 @@ class LayerState:
         for name, buffer in self._buffers.items():
             if buffer is None:
                 continue
-            current = buffer[..., : self._length]
-            index = keep if current.dim() == 2 else keep.unsqueeze(1).expand(-1, current.shape[1], -1)
-            kept = self._allocate_like(current, self._capacity)
-            kept[..., :width] = current.gather(-1, index)
+            kept = self._allocate_like(buffer, self._capacity)
+            kept[..., :width] = gather_slots(buffer[..., : self._length], keep, dim=-1)
             self._buffers[name] = kept
         self._length = width
 

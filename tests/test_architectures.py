@@ -19,14 +19,16 @@ def test_full_layers_bounded_sliding_layers_untouched(arch, algorithm):
     with torch.no_grad():
         reference = model(ids, use_cache=True).past_key_values
         with KVCacheCompressor(params)(model):
-            # After the prompt every layer saw identical inputs (eviction follows each layer's attention), so
-            # sliding layers must be bit-identical and full layers cut to the budget.
+            # After the prompt every layer saw the same inputs (eviction follows each layer's attention; H2O's
+            # fused attention differs from sdpa by rounding only), so sliding layers must hold the same window
+            # and full layers be cut to the budget.
             prefilled = model(ids, use_cache=True).past_key_values
             generated = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False,
                                        return_dict_in_generate=True).past_key_values
     for ref_layer, layer, after_decode in zip(reference.layers, prefilled.layers, generated.layers):
         if getattr(layer, "is_sliding", False):
-            assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(layer.values, ref_layer.values)
+            torch.testing.assert_close(layer.keys, ref_layer.keys, rtol=0, atol=1e-5)
+            torch.testing.assert_close(layer.values, ref_layer.values, rtol=0, atol=1e-5)
             assert after_decode.keys.shape == ref_layer.keys.shape  # the window's own bound, not ours
         else:
             assert ref_layer.keys.shape[-2] == 100 and layer.keys.shape[-2] == params.max_cache_size

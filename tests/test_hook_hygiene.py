@@ -1,4 +1,5 @@
-"""The context manager leaves no trace: no hooks, identical logits, after a normal exit or an exception."""
+"""The context manager leaves no trace: no hooks, the model's own attention implementation, identical logits,
+after a normal exit or an exception."""
 
 import pytest
 import torch
@@ -47,6 +48,7 @@ def test_exit_restores_model(exit_kind):
     if exit_kind == "normal":
         with compressor(model):
             assert _hook_count(model) > before_hooks
+            assert model.config._attn_implementation == "kvcompress_sdpa"
             model.generate(ids, max_new_tokens=5, do_sample=False)
     else:
         exception = Boom() if exit_kind == "exception" else KeyboardInterrupt()
@@ -54,6 +56,7 @@ def test_exit_restores_model(exit_kind):
             with compressor(model):
                 _raise_in_generation(model, ids, exception)
     assert _hook_count(model) == before_hooks
+    assert model.config._attn_implementation == "sdpa"
     assert torch.equal(_logits(model, ids), before_logits)
     with compressor(model):  # re-entering works after any exit
         model.generate(ids, max_new_tokens=2, do_sample=False)
@@ -66,6 +69,18 @@ def test_nested_use_is_refused():
             with KVCacheCompressor(PARAMS)(model):
                 pass
     assert _hook_count(model) == 0
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_other_models_keep_their_attention_while_a_session_runs():
+    """The wrapper is registered globally; a model without a session must get its own function unchanged."""
+    compressed, bystander = tiny_model("llama"), tiny_model("llama", seed=1)
+    ids = random_tokens(40)
+    expected = _logits(bystander, ids)
+    with KVCacheCompressor(PARAMS)(compressed):
+        bystander.config._attn_implementation = "kvcompress_sdpa"  # even if it names the wrapper
+        torch.testing.assert_close(_logits(bystander, ids), expected, rtol=0, atol=0)
+    bystander.config._attn_implementation = "sdpa"
 
 
 def test_unsupported_architecture_lists_supported_ones():

@@ -1,6 +1,6 @@
 """A compressed prefill allocates no length × length buffer (issue 6, DESIGN §3 and §8).
 
-Scoring recomputes attention inside the hook. Doing that for every query at once (H2O) would allocate
+H2O scores (and computes the attention output of) every query inside the session's attention function. Doing that for every query at once (H2O) would allocate
 B · H · L² float32 logits, which is exactly what makes other libraries' H2O unusable at long contexts. The
 scorer works in query chunks whose size is bounded linearly in the forward's length; this test checks the
 consequence on the whole prefill: the largest single allocation ``torch.profiler`` records grows linearly
@@ -75,6 +75,7 @@ def test_padded_batch_prefill_allocates_nothing_larger_than_the_model_does():
 def test_the_measurement_flags_an_unbounded_chunk(monkeypatch):
     """Without the chunk bound H2O scores every query at once: the test above must then fail."""
     monkeypatch.setattr(attention, "chunk_elements", lambda batch, length, hidden: 1 << 40)
+    monkeypatch.setattr(attention, "ROW_BLOCK", 1 << 30)
     model = tiny_model("llama")
     params = _params("h2o", "per_token")
     short = largest_allocation(model, params, SHORT)

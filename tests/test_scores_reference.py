@@ -40,30 +40,49 @@ def _reference(attentions_per_step, algorithm, kv_heads):
     return scores, counts
 
 
+def _run(model, ids, output_attentions):
+    """Prefill PROMPT tokens, then DECODE_STEPS single-token steps; the per-forward attentions if asked."""
+    attentions = []
+    out = model(ids[:, :PROMPT], use_cache=True, output_attentions=output_attentions)
+    attentions.append(out.attentions)
+    for step in range(DECODE_STEPS):
+        out = model(ids[:, PROMPT + step : PROMPT + step + 1], cache=out.past_key_values, use_cache=True,
+                    output_attentions=output_attentions)
+        attentions.append(out.attentions)
+    return attentions
+
+
+@pytest.mark.parametrize("output_attentions", [False, True], ids=["fused", "weights-requested"])
 @pytest.mark.parametrize("algorithm", ["h2o", "snapkv"])
 @pytest.mark.parametrize("aggregation", ["sum", "norm_sum"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_hook_scores_equal_eager_attention_weights(algorithm, aggregation, arch):
+def test_hook_scores_equal_eager_attention_weights(algorithm, aggregation, arch, output_attentions):
+    """Nothing is evicted (budget > length), so an uncompressed eager run's weights are the reference.
+
+    Without ``output_attentions`` H2O and decode steps take the fused path (attention output and scores in
+    one pass); with it the model's own attention runs and the scores are computed beside it.
+    """
     model = tiny_model(arch, attn_implementation="eager")
     params = KVCacheCompressionParameters(
         algorithm=algorithm, start_size=4, intermediate_size=500, recent_size=4, score_aggregation=aggregation,
         window_size=WINDOW if algorithm == "snapkv" else None,
     )
     ids = random_tokens(PROMPT + DECODE_STEPS)
-    attentions = []
-    with KVCacheCompressor(params)(model) as session, torch.no_grad():
-        out = model(ids[:, :PROMPT], use_cache=True, output_attentions=True)
-        attentions.append(out.attentions)
-        for step in range(DECODE_STEPS):
-            out = model(ids[:, PROMPT + step : PROMPT + step + 1], cache=out.past_key_values, use_cache=True,
-                        output_attentions=True)
-            attentions.append(out.attentions)
-        for layer in range(model.config.num_hidden_layers):
-            expected_scores, expected_counts = _reference([a[layer] for a in attentions], algorithm,
-                                                          model.config.num_key_value_heads)
-            state = session.layers[layer]
-            torch.testing.assert_close(state.head_scores[0].double(), expected_scores, rtol=1e-4, atol=1e-6)
-            torch.testing.assert_close(state.counts[0].double(), expected_counts, rtol=0, atol=0)
-            expected = expected_scores / expected_counts.clamp(min=1) if aggregation == "norm_sum" else expected_scores
-            torch.testing.assert_close(head_eviction_scores(state, aggregation)[0].double(), expected,
-                                       rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        attentions = _run(model, ids, output_attentions=True)
+        with KVCacheCompressor(params)(model) as session:
+            compressed = _run(model, ids, output_attentions=output_attentions)
+            states = dict(session.layers)
+        if output_attentions:
+            for expected, got in zip(attentions, compressed):
+                for layer_expected, layer_got in zip(expected, got):
+                    torch.testing.assert_close(layer_got, layer_expected, rtol=0, atol=0)
+    for layer in range(model.config.num_hidden_layers):
+        expected_scores, expected_counts = _reference([a[layer] for a in attentions], algorithm,
+                                                      model.config.num_key_value_heads)
+        state = states[layer]
+        torch.testing.assert_close(state.head_scores[0].double(), expected_scores, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(state.counts[0].double(), expected_counts, rtol=0, atol=0)
+        expected = expected_scores / expected_counts.clamp(min=1) if aggregation == "norm_sum" else expected_scores
+        torch.testing.assert_close(head_eviction_scores(state, aggregation)[0].double(), expected,
+                                   rtol=1e-4, atol=1e-6)

@@ -1,9 +1,11 @@
-"""Attention of observed queries over the cached keys, recomputed inside the hook.
+"""Attention of observed queries over the cached keys, and (when asked) the layer's attention output with it.
 
-sdpa and flash attention never return their weights and eager materialises B·H·L² of them, so the hook
-recomputes only what a method observes: the last ``window_size`` queries for SnapKV, every query for H2O
-(in query chunks, so memory stays linear in the length). The result is summed over the observed queries and
-the query heads of each KV group, in float32: (B, H_kv, T).
+The session's attention function (``kvcompress/attention_function.py``) hands over the module's own post-RoPE
+queries, so nothing is re-projected. sdpa and flash attention never return their weights and eager materialises
+B·H·L² of them; this module computes only what a method observes: the last ``window_size`` queries for SnapKV,
+every query for H2O (in query chunks, so memory stays linear in the length). Scores are summed over the
+observed queries and the query heads of each KV group, in float32: (B, H_kv, T). Given the values, the same
+chunks also produce the attention output, so H2O and decode steps run attention once instead of twice.
 
 What keeps this cheap (it runs inside every forward of every compressed layer):
 
@@ -12,9 +14,14 @@ What keeps this cheap (it runs inside every forward of every compressed layer):
   chunk's diagonal needs a mask.
 * The query heads of a KV group are stacked as rows of one matrix product against that KV head's keys: the
   keys are neither repeated per query head nor copied or upcast.
-* The logits held at once are bounded by ``CHUNK_FACTOR`` × the size of the forward's hidden states
-  (B · q · hidden), so the transient memory is linear in the length and no larger than activations the
-  forward allocates anyway.
+* On CPU, chunks of ``ROW_BLOCK`` query rows keep the logits close to the cache (measured on one thread,
+  SmolLM2 shapes, 4-8k tokens: 32 rows run 1.1-1.3 × an sdpa pass for output and column sums together, chunks
+  sized by memory alone 1.3-1.6 ×); on accelerators, where every chunk costs kernel launches, chunks are as
+  large as memory allows. Never more logits than ``CHUNK_FACTOR`` × the forward's hidden states, so the
+  transient memory stays linear in the length.
+* Softmax in place in base 2 (``exp2`` is several times faster than ``exp`` on CPU; log2 e rides on the queries),
+  its normalisation folded into one matrix-vector product for the column sums and a (rows × d) scaling of the
+  output: no second chunk-sized tensor.
 * Masks for dead slots (padding) and weights for unobserved queries are applied only when there are any
   (known without a device synchronisation on CPU, or once per layer per multi-token forward elsewhere); a
   decode step (one query) takes a short path with no host-device synchronisation at all.
@@ -25,12 +32,11 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
-from ..adapters import project_queries
-
-# Float32 logits held at once while scoring a chunk of queries, as a multiple of the forward's hidden states
-# (B · q · hidden elements); MIN/MAX keep chunks sensible for tiny models and huge batches.
+# Query rows per chunk (see the module docstring), and the bound on float32 logits held at once as a multiple of
+# the forward's hidden states (B · q · H · d elements); MIN/MAX keep chunks sensible for tiny models and huge
+# batches.
+ROW_BLOCK = 32
 CHUNK_FACTOR = 1
 MIN_CHUNK_ELEMENTS = 1 << 16
 MAX_CHUNK_ELEMENTS = 1 << 25
@@ -43,48 +49,61 @@ def chunk_elements(batch: int, length: int, hidden_size: int) -> int:
 
 
 def observed_attention(
-    module: nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    queries: torch.Tensor,
     keys: torch.Tensor,
     slot_valid: torch.Tensor,
     observed: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
     pool_kernel: int | None = None,
-) -> torch.Tensor:
-    """Summed softmax attention of the observed queries of this forward.
+    values: torch.Tensor | None = None,
+    all_live: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed softmax attention of the observed queries of this forward, and the attention output if ``values``.
 
-    ``hidden_states`` (B, q, D) are the forward's inputs to the module, ``keys`` (B, H_kv, T, d) the cache after
-    its update (the last q slots are this forward's tokens), ``slot_valid`` (B, T) marks live slots and
+    ``queries`` (B, H, q, d) are the module's post-RoPE queries, ``keys`` / ``values`` (B, H_kv, T, d) the cache
+    after its update (the last q slots are this forward's tokens), ``slot_valid`` (B, T) marks live slots and
     ``observed`` (B, q) the queries whose attention counts (real tokens inside the method's window). A query at
-    forward index i sees slots up to T - q + i, exactly as the model's causal mask allows.
-    ``pool_kernel`` applies SnapKV's centred max-pool along the slots, per query head, before the head sum.
+    forward index i sees slots up to T - q + i, exactly as the model's causal mask allows; an unobserved query
+    (padding) sees every slot, so its output stays finite. ``pool_kernel`` applies SnapKV's centred max-pool
+    along the slots, per query head, before the head sum. The output is laid out as transformers' attention
+    functions return it: (B, q, H, d). ``all_live`` (every slot live, hence every token real), when the caller
+    knows it, spares the per-layer checks.
     """
-    batch, length = hidden_states.shape[:2]
+    batch, heads, length, head_dim = queries.shape
     total, kv_heads = keys.shape[-2], keys.shape[1]
-    groups = module.config.num_attention_heads // kv_heads
+    groups = heads // kv_heads
     per_head = pool_kernel is not None and pool_kernel > 1
     if length == 1 and not per_head:
-        return _single_query(module, hidden_states, position_embeddings, keys, slot_valid, observed)
+        return _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live)
 
     summed = torch.zeros(batch, kv_heads, groups if per_head else 1, total, device=keys.device)
-    rows = observed.any(0).nonzero().flatten()
-    if rows.numel() == 0:
-        return summed.sum(2)
-    first = int(rows[0])
+    output = None
+    if values is None:
+        rows = observed.any(0).nonzero().flatten()
+        if rows.numel() == 0:
+            return summed.sum(2), None
+        first = int(rows[0])
+    else:  # every row's output is needed
+        first = 0
+        output = values.new_empty(batch, length, kv_heads, groups, head_dim)
     base = total - length  # slot of the forward's first token
-    padded = not bool(slot_valid.all())
-    partial = not bool(observed[:, first:].all())
+    if all_live:  # every token is real, and the observed rows are all of them from ``first`` on
+        padded = partial = False
+    else:
+        padded = not bool(slot_valid.all())
+        partial = not bool(observed[:, first:].all())
     keys_t = keys.transpose(-1, -2)  # (B, H_kv, d, T): a view
-    cos, sin = position_embeddings
-    budget = chunk_elements(batch, length, hidden_states.shape[-1]) // (batch * kv_heads * groups)
+    grouped = _scaled(queries, scaling, softcap, base2=True).reshape(batch, kv_heads, groups, length, head_dim)
+    budget = chunk_elements(batch, length, heads * head_dim) // (batch * heads)
+    row_block = ROW_BLOCK if keys.device.type == "cpu" else length  # accelerators: fewer, larger kernels
     diagonal = None
     start = first
     while start < length:
-        stop = min(length, start + _chunk_rows(budget, base + start))
+        stop = min(length, start + min(row_block, _chunk_rows(budget, base + start)))
         rows_in_chunk, visible = stop - start, base + stop
-        logits = _logits(  # (B, H_kv, G·c, visible) float32, base 2
-            module, hidden_states[:, start:stop], (cos[:, start:stop], sin[:, start:stop]), keys_t[..., :visible], True
-        )
+        chunk_queries = grouped[:, :, :, start:stop].reshape(batch, kv_heads, groups * rows_in_chunk, head_dim)
+        logits = _logits(chunk_queries, keys_t[..., :visible], softcap, base2=True)  # (B, H_kv, G·c, visible)
         logits5 = logits.view(batch, kv_heads, groups, rows_in_chunk, visible)
         if diagonal is None or diagonal.shape[0] < rows_in_chunk:
             diagonal = torch.ones(rows_in_chunk, rows_in_chunk, dtype=torch.bool, device=keys.device).triu_(1)
@@ -95,16 +114,19 @@ def observed_attention(
             logits5.masked_fill_(dead[:, None, None], float("-inf"))
         # Softmax in place (base 2), its normalisation folded into the sum over rows: the column sums are
         # (observed_i / sum_t exp_it) @ exp, one matrix-vector product, and no second chunk-sized tensor.
+        # Every row keeps at least its own slot (diagonal; an observed row's own slot is live), so sums > 0.
         maxima = logits5.amax(-1, keepdim=True)
-        if padded:  # a row with no live slot: 2^(-inf - finite) = 0, then weight 0
-            maxima.clamp_(min=torch.finfo(maxima.dtype).min)
         logits.sub_(maxima.view(batch, kv_heads, groups * rows_in_chunk, 1)).exp2_()
-        sums = logits.sum(-1)  # (B, H_kv, G·c)
+        inverse = logits.sum(-1).reciprocal_()  # (B, H_kv, G·c)
+        if output is not None:
+            chunk_output = torch.matmul(logits.to(values.dtype), values[..., :visible, :])
+            chunk_output.mul_(inverse.unsqueeze(-1).to(values.dtype))
+            output[:, start:stop] = chunk_output.view(batch, kv_heads, groups, rows_in_chunk, head_dim).permute(
+                0, 3, 1, 2, 4
+            )
+        row_weights = inverse
         if padded or partial:
-            observed_rows = chunk_observed.to(sums.dtype).repeat(1, groups)[:, None, :]  # (B, 1, G·c)
-            row_weights = torch.where(sums > 0, observed_rows / sums, 0.0)
-        else:
-            row_weights = sums.reciprocal_()
+            row_weights = inverse * chunk_observed.to(inverse.dtype).repeat(1, groups)[:, None, :]
         if per_head:  # keep the query heads apart for SnapKV's pooling: (B, H_kv, G, 1, c) @ (B, H_kv, G, c, T)
             contribution = torch.matmul(
                 row_weights.view(batch, kv_heads, groups, 1, rows_in_chunk), logits5
@@ -118,7 +140,9 @@ def observed_attention(
         flat = summed.flatten(0, 2).unsqueeze(1)
         pooled = torch.nn.functional.max_pool1d(flat, pool_kernel, stride=1, padding=pool_kernel // 2)
         summed = pooled.view_as(summed)
-    return summed.sum(dim=2)
+    if output is not None:
+        output = output.view(batch, length, heads, head_dim)
+    return summed.sum(dim=2), output
 
 
 def _chunk_rows(budget_per_head: int, preceding: int) -> int:
@@ -127,20 +151,18 @@ def _chunk_rows(budget_per_head: int, preceding: int) -> int:
     return max(1, rows)
 
 
-def _logits(module: nn.Module, hidden_states, position_embeddings, keys_t, base2: bool = False) -> torch.Tensor:
-    """Float32 logits (B, H_kv, G·c, T) of c queries: the rows of every query head of a KV group stacked.
+def _scaled(queries: torch.Tensor, scaling: float, softcap: float | None, base2: bool) -> torch.Tensor:
+    """Queries times the softmax scale and, for base-2 logits without soft-capping, log2 e (so that ``exp2``,
+    several times faster than ``exp`` on CPU, gives the same softmax)."""
+    return queries * (scaling * (LOG2_E if base2 and not softcap else 1.0))
 
-    The product runs in the model's dtype (keys are neither repeated nor upcast). With ``base2`` the logits are
-    in units of log2 (multiplied by log2 e), so ``exp2`` (several times faster than ``exp`` on CPU) gives the
-    same softmax; the factor rides on the queries unless the model soft-caps its logits.
+
+def _logits(grouped_queries: torch.Tensor, keys_t: torch.Tensor, softcap: float | None, base2: bool) -> torch.Tensor:
+    """Float32 logits (B, H_kv, G·c, T) from scaled queries whose group rows are stacked.
+
+    The product runs in the model's dtype (keys are neither repeated nor upcast).
     """
-    queries = project_queries(module, hidden_states, position_embeddings)  # (B, H_q, c, d)
-    batch, heads, length, head_dim = queries.shape
-    kv_heads = keys_t.shape[1]
-    softcap = getattr(module, "attn_logit_softcapping", None)
-    queries = queries * (module.scaling * (LOG2_E if base2 and not softcap else 1.0))
-    queries = queries.reshape(batch, kv_heads, (heads // kv_heads) * length, head_dim)
-    logits = torch.matmul(queries, keys_t)
+    logits = torch.matmul(grouped_queries, keys_t)
     if logits.dtype != torch.float32:
         logits = logits.float()
     if softcap:
@@ -148,21 +170,30 @@ def _logits(module: nn.Module, hidden_states, position_embeddings, keys_t, base2
     return logits
 
 
-def _single_query(module, hidden_states, position_embeddings, keys, slot_valid, observed) -> torch.Tensor:
+def _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live):
     """A decode step: one attention row per query head, no chunking, no host-device synchronisation.
 
-    The query sees every slot (it is the last one), so only dead slots need a mask; on CPU it is skipped when
-    every slot is live, elsewhere it is always applied (cheaper than asking the device).
+    The query sees every slot (it is the last one), so only dead slots need a mask: skipped when the caller
+    knows every slot is live, or on CPU finds so; on accelerators otherwise always applied (cheaper than asking
+    the device).
     """
-    logits = _logits(module, hidden_states, position_embeddings, keys.transpose(-1, -2))  # (B, H_kv, G, T)
-    on_cpu = keys.device.type == "cpu"
-    if not (on_cpu and bool(slot_valid.all())):
+    batch, heads, _, head_dim = queries.shape
+    kv_heads = keys.shape[1]
+    grouped = _scaled(queries, scaling, softcap, base2=False).reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    logits = _logits(grouped, keys.transpose(-1, -2), softcap, base2=False)  # (B, H_kv, G, T)
+    if all_live is None and keys.device.type == "cpu":
+        all_live = bool(slot_valid.all()) and bool(observed.all())
+    if not all_live:
         dead = ~slot_valid & observed  # an unobserved (padding) query keeps finite logits and weight 0
         logits.masked_fill_(dead[:, None, None, :], float("-inf"))
-    weights = torch.softmax(logits, dim=-1).sum(2)  # (B, H_kv, T)
-    if not (on_cpu and bool(observed.all())):
-        weights = weights.nan_to_num_(0.0) * observed[:, :, None]
-    return weights
+    probabilities = torch.softmax(logits, dim=-1)
+    output = None
+    if values is not None:
+        output = torch.matmul(probabilities.to(values.dtype), values).view(batch, 1, heads, head_dim)
+    weights = probabilities.sum(2)  # (B, H_kv, T)
+    if not all_live:
+        weights = weights * observed[:, :, None]
+    return weights, output
 
 
 def observation_counts(observed: torch.Tensor, total: int) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""The fused path (attention output and scores in one pass) against a plain float64 softmax attention.
+
+The reference is written out directly from the definition: causal mask (a query at forward index i sees
+slots up to T - q + i), dead slots masked for real queries, softmax, weights @ values. Chunking is forced
+down to a few rows so the chunk loop, the diagonal mask and the padding masks all run.
+"""
+
+import pytest
+import torch
+
+from kvcompress.scoring import attention
+
+HEADS, KV_HEADS, DIM, CACHED, NEW = 6, 2, 16, 13, 37
+
+
+def _inputs(dtype=torch.float32, length=NEW):
+    generator = torch.Generator().manual_seed(0)
+    total = CACHED + length
+    queries = torch.randn(2, HEADS, length, DIM, generator=generator).to(dtype)
+    keys = torch.randn(2, KV_HEADS, total, DIM, generator=generator).to(dtype)
+    values = torch.randn(2, KV_HEADS, total, DIM, generator=generator).to(dtype)
+    slot_valid = torch.ones(2, total, dtype=torch.bool)
+    observed = torch.ones(2, length, dtype=torch.bool)
+    slot_valid[1, :4] = False  # sequence 1: 4 dead cached slots
+    if length > 1:
+        slot_valid[1, CACHED : CACHED + 3] = False  # ... and 3 padding tokens at the start of this forward
+        observed[1, :3] = False
+    return queries, keys, values, slot_valid, observed
+
+
+def _reference(queries, keys, values, slot_valid, observed, scaling, softcap=None):
+    q, k, v = queries.double(), keys.double(), values.double()
+    groups = HEADS // KV_HEADS
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    logits = q @ k.transpose(-1, -2) * scaling
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    length, total = q.shape[2], k.shape[2]
+    causal = torch.arange(total)[None, :] <= (total - length + torch.arange(length))[:, None]
+    allowed = causal[None] & (slot_valid[:, None, :] | ~observed[:, :, None])
+    logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+    weights = logits.softmax(-1)
+    output = (weights @ v).transpose(1, 2)  # (B, q, H, d)
+    scores = (weights * observed[:, None, :, None]).sum(2).view(2, KV_HEADS, groups, total).sum(2)
+    return scores, output
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("length", [NEW, 1], ids=["prefill", "decode"])
+def test_fused_output_and_scores_match_plain_attention(monkeypatch, length, softcap):
+    monkeypatch.setattr(attention, "ROW_BLOCK", 5)
+    queries, keys, values, slot_valid, observed = _inputs(length=length)
+    scores, output = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, softcap, values=values)
+    expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.3, softcap)
+    real = observed[:, :, None, None].expand_as(output)
+    assert torch.isfinite(output).all()  # padding rows too: their values feed later layers' masked slots
+    torch.testing.assert_close(output[real].double(), expected_output[real], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
+    side_scores, none = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, softcap)
+    assert none is None
+    torch.testing.assert_close(side_scores, scores, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_output_in_bfloat16_is_close_to_float64():
+    queries, keys, values, slot_valid, observed = _inputs(torch.bfloat16)
+    scores, output = attention.observed_attention(queries, keys, slot_valid, observed, 0.25, values=values)
+    expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.25)
+    assert output.dtype == torch.bfloat16 and scores.dtype == torch.float32
+    real = observed[:, :, None, None].expand_as(output)
+    torch.testing.assert_close(output[real].double(), expected_output[real], rtol=0.05, atol=0.05)
+    torch.testing.assert_close(scores.double(), expected_scores, rtol=0.05, atol=0.05)

@@ -1,0 +1,30 @@
+"""The speed/memory benchmark runs end to end on a tiny model and reports every target's ratio.
+
+Timings are never asserted (they belong to the machine); this checks the plumbing: the paired same-size
+decode of target (b), the exact KV ratio, and that both output files are written.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import speed_memory  # noqa: E402
+
+
+def test_tiny_run_writes_every_target(tmp_path):
+    out = tmp_path / "speed"
+    speed_memory.main(["--model", "tiny-llama", "--lengths", "256", "--methods", "snapkv", "h2o", "--budget", "0.25",
+                       "--new-tokens", "20", "--repeats", "1", "--out", str(out)])
+    results = json.loads(out.with_suffix(".json").read_text())
+    (setting,) = results["settings"]
+    assert {row["method"] for row in setting["methods"]} == {"snapkv", "h2o"}
+    for row in setting["methods"]:
+        assert row["kv_bytes_ratio"] == row["kv_bytes_expected_ratio"] == 64 / 256
+        for key in ("prefill_ratio", "peak_memory_ratio", "decode_speedup_vs_full", "decode_throughput_vs_same_size"):
+            assert row[key] > 0, key
+        (run,) = setting["runs"][row["method"]]
+        assert run["kv_slots_after_decode"] <= 64 + 16  # the budget plus decode_slack: it kept evicting
+    markdown = out.with_suffix(".md").read_text()
+    assert "## Targets (issue 6)" in markdown and "--model tiny-llama" in markdown
