@@ -250,11 +250,8 @@ def run_once(model, prompt: torch.Tensor, params, new_tokens: int, device: str, 
         for step in range(new_tokens):
             if twin_step is not None and step % 2:  # alternate which of the pair goes first
                 twin_seconds += twin_step()
-            synchronize(device)
-            started = time.perf_counter()
-            token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            synchronize(device)
-            own_seconds += time.perf_counter() - started
+            token, seconds = timed_step(model, token, cache, device)
+            own_seconds += seconds
             if twin_step is not None and not step % 2:
                 twin_seconds += twin_step()
         record["decode_s"] = own_seconds
@@ -267,6 +264,15 @@ def run_once(model, prompt: torch.Tensor, params, new_tokens: int, device: str, 
     return record
 
 
+def timed_step(model, token: torch.Tensor, cache, device: str) -> tuple[torch.Tensor, float]:
+    """One greedy decode step: the next token and the step's wall time."""
+    synchronize(device)
+    started = time.perf_counter()
+    token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    synchronize(device)
+    return token, time.perf_counter() - started
+
+
 def _decoder(model, prompt: torch.Tensor, device: str):
     """Prefill ``model`` (uncompressed) with ``prompt``; returns a function that times one greedy decode step."""
     cache = DynamicCache(config=model.config)
@@ -274,11 +280,8 @@ def _decoder(model, prompt: torch.Tensor, device: str):
 
     def step() -> float:
         nonlocal token
-        synchronize(device)
-        started = time.perf_counter()
-        token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        synchronize(device)
-        return time.perf_counter() - started
+        token, seconds = timed_step(model, token, cache, device)
+        return seconds
 
     return step
 
