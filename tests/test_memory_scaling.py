@@ -1,7 +1,7 @@
 """A compressed prefill allocates no length × length buffer (issue 6, DESIGN §3 and §8).
 
-H2O scores (and computes the attention output of) every query inside the session's attention function. Doing that for every query at once (H2O) would allocate
-B · H · L² float32 logits, which is exactly what makes other libraries' H2O unusable at long contexts. The
+H2O scores (and computes the attention output of) every query inside the session's attention function. Doing
+that for every query at once would allocate B · H · L² float32 logits, which is exactly what makes other libraries' H2O unusable at long contexts. The
 scorer works in query chunks whose size is bounded linearly in the forward's length; this test checks the
 consequence on the whole prefill: the largest single allocation ``torch.profiler`` records grows linearly
 (×4 at most, plus slack) when the prompt grows ×4, where a quadratic buffer would grow ×16. The last test
@@ -48,9 +48,18 @@ def largest_allocation(model, params, length: int, padded: bool = False) -> int:
     return max(event.self_cpu_memory_usage for event in prof.events())
 
 
+@pytest.fixture(params=["native", "torch"])
+def backend(request, monkeypatch):
+    """H2O's fused pass on CPU: the compiled kernel (its buffers are torch allocations, so the profiler sees
+    them) or the torch chunks."""
+    if request.param == "torch":
+        monkeypatch.setenv("KVCOMPRESS_NATIVE", "0")
+    return request.param
+
+
 @pytest.mark.parametrize("strategy", ["per_token", "per_group"])
 @pytest.mark.parametrize("algorithm", ["h2o", "snapkv"])
-def test_largest_prefill_allocation_grows_linearly(algorithm, strategy):
+def test_largest_prefill_allocation_grows_linearly(backend, algorithm, strategy):
     model = tiny_model("llama")
     params = _params(algorithm, strategy)
     short = largest_allocation(model, params, SHORT)
@@ -62,7 +71,7 @@ def test_largest_prefill_allocation_grows_linearly(algorithm, strategy):
     assert long < LONG * LONG * 4, f"an allocation of {long} bytes is as large as one float32 {LONG}² matrix"
 
 
-def test_padded_batch_prefill_allocates_nothing_larger_than_the_model_does():
+def test_padded_batch_prefill_allocates_nothing_larger_than_the_model_does(backend):
     """With padding transformers itself builds a (B, 1, L, L) mask; scoring must stay far below it."""
     model = tiny_model("llama")
     compressed = largest_allocation(model, _params("h2o", "per_token"), LONG, padded=True)
@@ -74,6 +83,7 @@ def test_padded_batch_prefill_allocates_nothing_larger_than_the_model_does():
 
 def test_the_measurement_flags_an_unbounded_chunk(monkeypatch):
     """Without the chunk bound H2O scores every query at once: the test above must then fail."""
+    monkeypatch.setenv("KVCOMPRESS_NATIVE", "0")  # the torch chunks (the kernel's blocks are fixed sizes)
     monkeypatch.setattr(attention, "chunk_elements", lambda batch, length, hidden: 1 << 40)
     monkeypatch.setattr(attention, "ROW_BLOCK", 1 << 30)
     model = tiny_model("llama")

@@ -6,6 +6,9 @@ B·H·L² of them; this module computes only what a method observes: the last ``
 every query for H2O (in query chunks, so memory stays linear in the length). Scores are summed over the
 observed queries and the query heads of each KV group, in float32: (B, H_kv, T). Given the values, the same
 chunks also produce the attention output, so H2O and decode steps run attention once instead of twice.
+On CPU in float32 that multi-query fused pass is the compiled kernel of ``native.py`` (flash-style blocks that
+stay in cache: as fast as sdpa's own kernel, where the torch chunks below run 1.2-1.4 x); the torch chunks
+serve every other case (accelerators, half precision, soft-capping, no compiler) and are its test reference.
 
 What keeps this cheap (it runs inside every forward of every compressed layer):
 
@@ -32,6 +35,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from kvcompress.scoring import native
 
 # Query rows per chunk (see the module docstring), and the bound on float32 logits held at once as a multiple of
 # the forward's hidden states (B · q · H · d elements); MIN/MAX keep chunks sensible for tiny models and huge
@@ -76,6 +81,10 @@ def observed_attention(
     per_head = pool_kernel is not None and pool_kernel > 1
     if length == 1 and not per_head:
         return _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live)
+    if values is not None and not per_head and not softcap and native.supports(queries, keys, values):
+        kernel = native.kernel()
+        if kernel is not None:
+            return _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live)
 
     summed = torch.zeros(batch, kv_heads, groups if per_head else 1, total, device=keys.device)
     output = None
@@ -88,11 +97,7 @@ def observed_attention(
         first = 0
         output = values.new_empty(batch, length, kv_heads, groups, head_dim)
     base = total - length  # slot of the forward's first token
-    if all_live:  # every token is real, and the observed rows are all of them from ``first`` on
-        padded = partial = False
-    else:
-        padded = not bool(slot_valid.all())
-        partial = not bool(observed[:, first:].all())
+    padded, partial = _irregular(slot_valid, observed[:, first:], all_live)
     keys_t = keys.transpose(-1, -2)  # (B, H_kv, d, T): a view
     grouped = _scaled(queries[:, :, first:], scaling, softcap, base2=True).reshape(  # only the rows scored
         batch, kv_heads, groups, length - first, head_dim
@@ -147,6 +152,27 @@ def observed_attention(
     if output is not None:
         output = output.view(batch, length, heads, head_dim)
     return summed.sum(dim=2), output
+
+
+def _irregular(slot_valid: torch.Tensor, observed: torch.Tensor, all_live: bool | None) -> tuple[bool, bool]:
+    """Whether some slot is dead (padding) and whether some of the given rows are unobserved."""
+    if all_live:  # every token is real, and every row is observed
+        return False, False
+    return not bool(slot_valid.all()), not bool(observed.all())
+
+
+def _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live):
+    """Output and column sums of every row from the compiled kernel (``native.py``), which takes the dead slots
+    as an additive bias and the observed rows as weights, and only when there are any."""
+    padded, partial = _irregular(slot_valid, observed, all_live)
+    none = queries.new_empty(0)
+    key_bias = torch.zeros(slot_valid.shape).masked_fill_(~slot_valid, float("-inf")) if padded else none
+    row_weight = observed.to(torch.float32).contiguous() if padded or partial else none
+    queries, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (queries, keys, values))
+    summed, output = kernel.fused_attention(
+        queries, keys, values, scaling, key_bias, row_weight, native.ROW_BLOCK, native.KEY_BLOCK
+    )
+    return summed, output
 
 
 def _chunk_rows(budget_per_head: int, preceding: int) -> int:

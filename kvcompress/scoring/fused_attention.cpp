@@ -1,0 +1,179 @@
+// Causal attention output and the column sums of its softmax weights, in one flash-style pass (CPU, float32).
+//
+// Why a kernel: an H2O prefill needs, besides the attention output, the sum over every query of its softmax
+// weights per key. Built from torch operations, that pass streams each chunk's logits through memory several
+// times (product, max, exp, sum, PV, column sums) and runs 1.2-1.4 x sdpa's flash kernel. Here a block of query
+// rows walks the keys in blocks small enough to stay in cache, as flash attention does (running max, rescaled
+// output); the exponentiated blocks are kept in a per-thread buffer, and once the rows' final maxima and sums
+// are known the column sums are one weighted pass over that buffer.
+//
+// Layouts (last dimension contiguous): queries (B, H, L, d), keys (B, H_kv, T, d), values (B, H_kv, T, dv);
+// the last L slots are this forward's tokens, so row i sees slots [0, T - L + i]; `scale` multiplies the
+// logits. key_bias (B, T) adds 0 / -inf for dead slots to observed rows only;
+// row_weight (B, L) weighs each row's contribution to the column sums (observed 1, else 0). Either may be empty.
+// Returns the column sums (B, H_kv, T), summed over the query heads of each KV group, and the output
+// (B, L, H, dv), as transformers' attention functions lay it out.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Column-major BLAS on row-major operands (see the calls below for the mapping).
+void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
+  const int ilda = static_cast<int>(lda), ildb = static_cast<int>(ldb), ildc = static_cast<int>(ldc);
+  sgemm_(&transa, &transb, &im, &in, &ik, &alpha, a, &ilda, b, &ildb, &beta, c, &ildc);
+}
+
+float row_max(const float* x, int64_t n) {
+  if (n == 0) return kNegInf;
+  return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
+}
+
+// x = exp(x - shift) in place over n entries, zero over the following `zeros`; returns the sum. exp_u20 is the
+// exponential of torch's own flash kernel (relative error ~1e-6, well inside float32 attention's own error).
+float exp_shifted_sum(float* x, int64_t n, int64_t zeros, float shift) {
+  const Vec vshift(shift);
+  Vec vsum(0.0f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    Vec e = (Vec::loadu(x + j) - vshift).exp_u20();
+    e.store(x + j);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] - shift);
+    sum += x[j];
+  }
+  std::fill(x + n, x + n + zeros, 0.0f);
+  return sum;
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor keys, torch::Tensor values,
+                                           double scale, torch::Tensor key_bias, torch::Tensor row_weight,
+                                           int64_t row_block, int64_t key_block) {
+  TORCH_CHECK(queries.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+                  values.scalar_type() == at::kFloat, "fused_attention: float32 tensors only");
+  TORCH_CHECK(queries.stride(-1) == 1 && keys.stride(-1) == 1 && values.stride(-1) == 1,
+              "fused_attention: the last dimension must be contiguous");
+  const int64_t batch = queries.size(0), heads = queries.size(1), length = queries.size(2),
+                head_dim = queries.size(3);
+  const int64_t kv_heads = keys.size(1), total = keys.size(2), value_dim = values.size(3);
+  const int64_t groups = heads / kv_heads, base = total - length;
+  const bool has_bias = key_bias.numel() > 0, has_weight = row_weight.numel() > 0;
+  const float* q_data = queries.data_ptr<float>();
+  const float* k_data = keys.data_ptr<float>();
+  const float* v_data = values.data_ptr<float>();
+  const float* bias_data = has_bias ? key_bias.data_ptr<float>() : nullptr;
+  const float* weight_data = has_weight ? row_weight.data_ptr<float>() : nullptr;
+  const int64_t qSB = queries.stride(0), qSH = queries.stride(1), qSM = queries.stride(2);
+  const int64_t kSB = keys.stride(0), kSH = keys.stride(1), kSN = keys.stride(2);
+  const int64_t vSB = values.stride(0), vSH = values.stride(1), vSN = values.stride(2);
+
+  auto output = torch::empty({batch, length, heads, value_dim}, queries.options());
+  float* out_data = output.data_ptr<float>();
+  const int64_t oSB = length * heads * value_dim, oSM = heads * value_dim;
+  const int threads = at::get_num_threads();
+  auto partial_sums = torch::zeros({threads, batch, kv_heads, total}, queries.options());
+  float* sums_data = partial_sums.data_ptr<float>();
+
+  const int64_t row_blocks = (length + row_block - 1) / row_block;
+  const int64_t key_blocks_max = (total + key_block - 1) / key_block;
+  const float alpha = static_cast<float>(scale);
+
+  at::parallel_for(0, batch * heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    // the row block's exponentiated logits, key block after key block, each block contiguous (rows x key_block);
+    // a torch allocation, so that memory profiling sees it (tests/test_memory_scaling.py)
+    auto exps_buffer = torch::empty({row_block * key_block * key_blocks_max}, queries.options());
+    float* exps = exps_buffer.data_ptr<float>();
+    std::vector<float> block_max(row_block * key_blocks_max), running_max(row_block), running_sum(row_block);
+    float* sums_thread = sums_data + at::get_thread_num() * batch * kv_heads * total;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (heads * row_blocks), h = (task / row_blocks) % heads, rb = task % row_blocks;
+      const int64_t kv = h / groups, m0 = rb * row_block, rows = std::min(row_block, length - m0);
+      const int64_t visible = base + m0 + rows;  // slots the block's last row sees
+      const float* q = q_data + b * qSB + h * qSH + m0 * qSM;
+      const float* k = k_data + b * kSB + kv * kSH;
+      const float* v = v_data + b * vSB + kv * vSH;
+      float* out = out_data + b * oSB + m0 * oSM + h * value_dim;
+      const float* bias = has_bias ? bias_data + b * total : nullptr;
+      const float* weight = has_weight ? weight_data + b * length + m0 : nullptr;
+      std::fill(running_max.begin(), running_max.end(), kNegInf);
+      std::fill(running_sum.begin(), running_sum.end(), 0.0f);
+
+      int64_t key_blocks = 0;
+      for (int64_t n0 = 0; n0 < visible; n0 += key_block, ++key_blocks) {
+        const int64_t cols = std::min(key_block, visible - n0);
+        float* s = exps + key_blocks * row_block * key_block;
+        // s (rows x cols, ld key_block) = alpha * q (rows x d, ld qSM) . k_blockᵀ (k_block: cols x d, ld kSN)
+        gemm('T', 'N', cols, rows, head_dim, alpha, k + n0 * kSN, kSN, q, qSM, 0.0f, s, key_block);
+        for (int64_t i = 0; i < rows; ++i) {
+          float* row = s + i * key_block;
+          const int64_t seen = std::clamp<int64_t>(base + m0 + i + 1 - n0, 0, cols);  // causal
+          if (bias != nullptr && (weight == nullptr || weight[i] != 0.0f)) {
+            at::vec::map2([](Vec x, Vec y) { return x + y; }, row, row, bias + n0, seen);
+          }
+          const float previous = running_max[i];
+          const float current = std::max(previous, row_max(row, seen));
+          block_max[i * key_blocks_max + key_blocks] = current;
+          if (current == kNegInf) {  // nothing live so far in this row
+            std::fill(row, row + cols, 0.0f);
+            continue;
+          }
+          if (previous != current && n0 > 0) {  // rescale what was accumulated under the old maximum
+            const float factor = std::exp(previous - current);
+            running_sum[i] *= factor;
+            at::vec::map([factor](Vec x) { return x * Vec(factor); }, out + i * oSM, out + i * oSM, value_dim);
+          }
+          running_max[i] = current;
+          running_sum[i] += exp_shifted_sum(row, seen, cols - seen, current);
+        }
+        // out (rows x dv, ld oSM) (+)= s (rows x cols, ld key_block) . v_block (cols x dv, ld vSN)
+        gemm('N', 'N', value_dim, rows, cols, 1.0f, v + n0 * vSN, vSN, s, key_block, n0 == 0 ? 0.0f : 1.0f, out,
+             oSM);
+      }
+      float* sums = sums_thread + (b * kv_heads + kv) * total;
+      for (int64_t i = 0; i < rows; ++i) {
+        const float inverse = 1.0f / running_sum[i];  // > 0: a row always sees its own (live) slot
+        at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, out + i * oSM, out + i * oSM, value_dim);
+      }
+      for (int64_t kb = 0; kb < key_blocks; ++kb) {
+        const int64_t n0 = kb * key_block, cols = std::min(key_block, visible - n0);
+        for (int64_t i = 0; i < rows; ++i) {
+          const float observed = weight == nullptr ? 1.0f : weight[i];
+          const float seen_max = block_max[i * key_blocks_max + kb];
+          if (observed == 0.0f || seen_max == kNegInf) continue;
+          const int64_t seen = std::clamp<int64_t>(base + m0 + i + 1 - n0, 0, cols);
+          const float w = observed * std::exp(seen_max - running_max[i]) / running_sum[i];
+          const float* row = exps + (kb * row_block + i) * key_block;
+          at::vec::map2([w](Vec acc, Vec x) { return acc + x * Vec(w); }, sums + n0, sums + n0, row, seen);
+        }
+      }
+    }
+  });
+  auto column_sums = threads == 1 ? partial_sums[0] : partial_sums.sum(0);
+  return {column_sums, output};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fused_attention", &fused_attention, "Causal attention output and column sums of its weights");
+}

@@ -1,0 +1,108 @@
+"""The fused CPU attention kernel (``fused_attention.cpp``), compiled for this machine on first use.
+
+Why compiled here rather than shipped: the kernel is built against the installed torch (its headers, its BLAS
+and its vector instructions), which a wheel could not match for every torch/CPU pair; torch's extension loader
+caches the build (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so the compiler runs once
+per machine and torch version (about a minute). Without a compiler, or with ``KVCOMPRESS_NATIVE=0``, the torch
+implementation in ``attention.py`` is used: same results, slower H2O prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("fused_attention.cpp")
+# Query rows per block and keys per block: a block of logits (rows × keys floats) stays in the core's cache while
+# it is exponentiated and multiplied with the values (measured on SmolLM2 shapes, 4-8k tokens, one thread).
+ROW_BLOCK = 64
+KEY_BLOCK = 512
+STALE_LOCK_SECONDS = 15 * 60
+# The vector-instruction flags torch's own kernels are built with, by the capability torch detects at run time.
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+_lock = threading.Lock()
+_kernel: ModuleType | None = None
+_tried = False
+
+
+def enabled() -> bool:
+    """Whether the kernel may be used (``KVCOMPRESS_NATIVE=0`` turns it off, e.g. to compare both paths)."""
+    return os.environ.get("KVCOMPRESS_NATIVE", "1") != "0"
+
+
+def kernel() -> ModuleType | None:
+    """The compiled kernel module, or None where it cannot be built (warned once)."""
+    global _kernel, _tried
+    if not enabled():
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _kernel = _build()
+            except Exception as error:  # no compiler, no BLAS symbol, an unsupported platform
+                warnings.warn(
+                    f"kvcompress: the fused CPU attention kernel could not be built ({type(error).__name__}: "
+                    f"{str(error).strip().splitlines()[-1] if str(error).strip() else error!r}); using the torch "
+                    "implementation (same results, slower H2O prefill)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+    return _kernel
+
+
+def supports(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """The kernel handles float32 CPU tensors; anything else takes the torch implementation."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (queries, keys, values))
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import get_default_build_root, load
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3"]
+    if capability in _CAPABILITY_FLAGS:
+        flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *_CAPABILITY_FLAGS[capability]]
+    name = f"kvcompress_fused_attention_{capability.lower()}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    )
+    directory = Path(root) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(directory / "lock")
+    logger.info("kvcompress: loading the fused CPU attention kernel (compiled once per machine, ~1 min)")
+    return load(name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(directory), verbose=False)
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """torch's loader waits forever on the lock file of a build that was killed half-way; a build takes about a
+    minute, so a lock older than ``STALE_LOCK_SECONDS`` is such a leftover."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
+            logger.warning("kvcompress: removed a stale build lock %s (an interrupted earlier build)", lock)
+    except FileNotFoundError:
+        pass
+
+
+def prepare() -> int:
+    """Builds (or finds) the kernel ahead of its first use, says which path H2O prefills will take; the exit
+    status for scripts/env.sh."""
+    built = kernel()
+    state = "ready" if built else "unavailable (torch fallback)"
+    print(f"kvcompress: fused CPU attention kernel {state}", file=sys.stderr)
+    return 0 if built or not enabled() else 1
