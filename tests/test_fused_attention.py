@@ -78,12 +78,13 @@ def test_fused_output_and_scores_match_plain_attention(backend, length, softcap)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_kernel_matches_plain_attention_on_every_thread_count(monkeypatch, threads):
-    """The kernel splits (sequence, head, row block) tasks over threads, each summing into its own column
-    buffer: the result must not depend on the split."""
+@pytest.mark.parametrize("length", [NEW, 1], ids=["prefill", "decode"])
+def test_native_kernel_matches_plain_attention_on_every_thread_count(monkeypatch, threads, length):
+    """The kernel splits its tasks ((sequence, head, row block) in a prefill, each summing into its own column
+    buffer; (sequence, KV head) in a decode step) over threads: the result must not depend on the split."""
     monkeypatch.setattr(native, "ROW_BLOCK", 3)
     monkeypatch.setattr(native, "KEY_BLOCK", 8)
-    queries, keys, values, slot_valid, observed = _inputs()
+    queries, keys, values, slot_valid, observed = _inputs(length=length)
     kernel = native.kernel()
     assert kernel is not None and native.supports(queries, keys, values)
     previous = torch.get_num_threads()

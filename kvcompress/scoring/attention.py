@@ -6,9 +6,9 @@ B·H·L² of them; this module computes only what a method observes: the last ``
 every query for H2O (in query chunks, so memory stays linear in the length). Scores are summed over the
 observed queries and the query heads of each KV group, in float32: (B, H_kv, T). Given the values, the same
 chunks also produce the attention output, so H2O and decode steps run attention once instead of twice.
-On CPU in float32 that multi-query fused pass is the compiled kernel of ``native.py`` (flash-style blocks that
-stay in cache: as fast as sdpa's own kernel, where the torch chunks below run 1.2-1.4 x); the torch chunks
-serve every other case (accelerators, half precision, soft-capping, no compiler) and are its test reference.
+On CPU in float32 that fused pass is the compiled kernel of ``native.py`` (flash-style blocks that stay in
+cache: as fast as sdpa's own kernel, where the torch chunks below run 1.2-1.4 x); the torch chunks serve every
+other case (accelerators, half precision, soft-capping, no compiler) and are its test reference.
 
 What keeps this cheap (it runs inside every forward of every compressed layer):
 
@@ -79,12 +79,12 @@ def observed_attention(
     total, kv_heads = keys.shape[-2], keys.shape[1]
     groups = heads // kv_heads
     per_head = pool_kernel is not None and pool_kernel > 1
-    if length == 1 and not per_head:
-        return _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live)
     if values is not None and not per_head and not softcap and native.supports(queries, keys, values):
         kernel = native.kernel()
         if kernel is not None:
             return _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live)
+    if length == 1 and not per_head:
+        return _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live)
 
     summed = torch.zeros(batch, kv_heads, groups if per_head else 1, total, device=keys.device)
     output = None

@@ -5,12 +5,12 @@
 // times (product, max, exp, sum, PV, column sums) and runs 1.2-1.4 x sdpa's flash kernel. Here a block of query
 // rows walks the keys in blocks small enough to stay in cache, as flash attention does (running max, rescaled
 // output); the exponentiated blocks are kept in a per-thread buffer, and once the rows' final maxima and sums
-// are known the column sums are one weighted pass over that buffer.
+// are known the column sums are one weighted pass over that buffer. A decode step (one query) takes a short
+// path: the query heads of a KV group share one pass over that head's keys and values.
 //
 // Layouts (last dimension contiguous): queries (B, H, L, d), keys (B, H_kv, T, d), values (B, H_kv, T, dv);
 // the last L slots are this forward's tokens, so row i sees slots [0, T - L + i]; `scale` multiplies the
-// logits. key_bias (B, T) adds 0 / -inf for dead slots to observed rows only;
-// row_weight (B, L) weighs each row's contribution to the column sums (observed 1, else 0). Either may be empty.
+// logits. key_bias (B, T) adds 0 / -inf for dead slots to observed rows only; row_weight (B, L) weighs each row's contribution to the column sums (observed 1, else 0). Either may be empty.
 // Returns the column sums (B, H_kv, T), summed over the query heads of each KV group, and the output
 // (B, L, H, dv), as transformers' attention functions lay it out.
 
@@ -66,57 +66,105 @@ float exp_shifted_sum(float* x, int64_t n, int64_t zeros, float shift) {
   return sum;
 }
 
-}  // namespace
+// Pointers, sizes and strides of the operands, after the checks both passes share.
+struct Operands {
+  const float *q, *k, *v, *bias, *weight;
+  int64_t batch, heads, length, head_dim, kv_heads, total, value_dim, groups;
+  int64_t qSB, qSH, qSM, kSB, kSH, kSN, vSB, vSH, vSN;
+};
 
-std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor keys, torch::Tensor values,
-                                           double scale, torch::Tensor key_bias, torch::Tensor row_weight,
-                                           int64_t row_block, int64_t key_block) {
+Operands operands(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
+                  const torch::Tensor& key_bias, const torch::Tensor& row_weight) {
   TORCH_CHECK(queries.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
                   values.scalar_type() == at::kFloat, "fused_attention: float32 tensors only");
   TORCH_CHECK(queries.stride(-1) == 1 && keys.stride(-1) == 1 && values.stride(-1) == 1,
               "fused_attention: the last dimension must be contiguous");
-  const int64_t batch = queries.size(0), heads = queries.size(1), length = queries.size(2),
-                head_dim = queries.size(3);
-  const int64_t kv_heads = keys.size(1), total = keys.size(2), value_dim = values.size(3);
-  const int64_t groups = heads / kv_heads, base = total - length;
-  const bool has_bias = key_bias.numel() > 0, has_weight = row_weight.numel() > 0;
-  const float* q_data = queries.data_ptr<float>();
-  const float* k_data = keys.data_ptr<float>();
-  const float* v_data = values.data_ptr<float>();
-  const float* bias_data = has_bias ? key_bias.data_ptr<float>() : nullptr;
-  const float* weight_data = has_weight ? row_weight.data_ptr<float>() : nullptr;
-  const int64_t qSB = queries.stride(0), qSH = queries.stride(1), qSM = queries.stride(2);
-  const int64_t kSB = keys.stride(0), kSH = keys.stride(1), kSN = keys.stride(2);
-  const int64_t vSB = values.stride(0), vSH = values.stride(1), vSN = values.stride(2);
+  Operands o;
+  o.q = queries.data_ptr<float>();
+  o.k = keys.data_ptr<float>();
+  o.v = values.data_ptr<float>();
+  o.bias = key_bias.numel() > 0 ? key_bias.data_ptr<float>() : nullptr;
+  o.weight = row_weight.numel() > 0 ? row_weight.data_ptr<float>() : nullptr;
+  o.batch = queries.size(0), o.heads = queries.size(1), o.length = queries.size(2), o.head_dim = queries.size(3);
+  o.kv_heads = keys.size(1), o.total = keys.size(2), o.value_dim = values.size(3);
+  o.groups = o.heads / o.kv_heads;
+  o.qSB = queries.stride(0), o.qSH = queries.stride(1), o.qSM = queries.stride(2);
+  o.kSB = keys.stride(0), o.kSH = keys.stride(1), o.kSN = keys.stride(2);
+  o.vSB = values.stride(0), o.vSH = values.stride(1), o.vSN = values.stride(2);
+  return o;
+}
 
-  auto output = torch::empty({batch, length, heads, value_dim}, queries.options());
+// A decode step (one query per sequence): per (sequence, KV head) the group's query heads are the rows of one
+// product with the keys, so keys and values are read once per group; a row of logits is small, so no blocks.
+std::vector<torch::Tensor> single_query(const Operands& o, float alpha, const torch::TensorOptions& options) {
+  auto output = torch::empty({o.batch, 1, o.heads, o.value_dim}, options);
+  auto scores = torch::zeros({o.batch, o.kv_heads, o.total}, options);
   float* out_data = output.data_ptr<float>();
-  const int64_t oSB = length * heads * value_dim, oSM = heads * value_dim;
+  float* scores_data = scores.data_ptr<float>();
+  at::parallel_for(0, o.batch * o.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    auto logits_buffer = torch::empty({o.groups * o.total}, options);
+    float* s = logits_buffer.data_ptr<float>();
+    std::vector<float> inverse(o.groups);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / o.kv_heads, kv = task % o.kv_heads, h0 = kv * o.groups;
+      const float observed = o.weight == nullptr ? 1.0f : o.weight[b];
+      const float* bias = o.bias != nullptr && observed != 0.0f ? o.bias + b * o.total : nullptr;
+      // s (groups x total) = alpha * q_group (groups x d, ld qSH) . kᵀ
+      gemm('T', 'N', o.total, o.groups, o.head_dim, alpha, o.k + b * o.kSB + kv * o.kSH, o.kSN,
+           o.q + b * o.qSB + h0 * o.qSH, o.qSH, 0.0f, s, o.total);
+      for (int64_t g = 0; g < o.groups; ++g) {
+        float* row = s + g * o.total;
+        if (bias != nullptr) at::vec::map2([](Vec x, Vec y) { return x + y; }, row, row, bias, o.total);
+        inverse[g] = 1.0f / exp_shifted_sum(row, o.total, 0, row_max(row, o.total));  // own slot is live: > 0
+      }
+      float* out = out_data + b * o.heads * o.value_dim + h0 * o.value_dim;
+      gemm('N', 'N', o.value_dim, o.groups, o.total, 1.0f, o.v + b * o.vSB + kv * o.vSH, o.vSN, s, o.total, 0.0f,
+           out, o.value_dim);
+      float* sums = scores_data + (b * o.kv_heads + kv) * o.total;
+      for (int64_t g = 0; g < o.groups; ++g) {
+        const float r = inverse[g];
+        at::vec::map([r](Vec x) { return x * Vec(r); }, out + g * o.value_dim, out + g * o.value_dim, o.value_dim);
+        const float w = observed * r;
+        if (w != 0.0f) {
+          at::vec::map2([w](Vec acc, Vec x) { return acc + x * Vec(w); }, sums, sums, s + g * o.total, o.total);
+        }
+      }
+    }
+  });
+  return {scores, output};
+}
+
+// A prefill (or any multi-query forward): blocks of query rows of one head walk the keys in blocks (above).
+std::vector<torch::Tensor> causal_blocks(const Operands& o, float alpha, int64_t row_block, int64_t key_block,
+                                         const torch::TensorOptions& options) {
+  auto output = torch::empty({o.batch, o.length, o.heads, o.value_dim}, options);
+  float* out_data = output.data_ptr<float>();
+  const int64_t oSB = o.length * o.heads * o.value_dim, oSM = o.heads * o.value_dim;
   const int threads = at::get_num_threads();
-  auto partial_sums = torch::zeros({threads, batch, kv_heads, total}, queries.options());
+  auto partial_sums = torch::zeros({threads, o.batch, o.kv_heads, o.total}, options);
   float* sums_data = partial_sums.data_ptr<float>();
 
-  const int64_t row_blocks = (length + row_block - 1) / row_block;
-  const int64_t key_blocks_max = (total + key_block - 1) / key_block;
-  const float alpha = static_cast<float>(scale);
+  const int64_t row_blocks = (o.length + row_block - 1) / row_block;
+  const int64_t key_blocks_max = (o.total + key_block - 1) / key_block;
+  const int64_t base = o.total - o.length;  // slot of the forward's first token
 
-  at::parallel_for(0, batch * heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, o.batch * o.heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
     // the row block's exponentiated logits, key block after key block, each block contiguous (rows x key_block);
     // a torch allocation, so that memory profiling sees it (tests/test_memory_scaling.py)
-    auto exps_buffer = torch::empty({row_block * key_block * key_blocks_max}, queries.options());
+    auto exps_buffer = torch::empty({row_block * key_block * key_blocks_max}, options);
     float* exps = exps_buffer.data_ptr<float>();
     std::vector<float> block_max(row_block * key_blocks_max), running_max(row_block), running_sum(row_block);
-    float* sums_thread = sums_data + at::get_thread_num() * batch * kv_heads * total;
+    float* sums_thread = sums_data + at::get_thread_num() * o.batch * o.kv_heads * o.total;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (heads * row_blocks), h = (task / row_blocks) % heads, rb = task % row_blocks;
-      const int64_t kv = h / groups, m0 = rb * row_block, rows = std::min(row_block, length - m0);
+      const int64_t b = task / (o.heads * row_blocks), h = (task / row_blocks) % o.heads, rb = task % row_blocks;
+      const int64_t kv = h / o.groups, m0 = rb * row_block, rows = std::min(row_block, o.length - m0);
       const int64_t visible = base + m0 + rows;  // slots the block's last row sees
-      const float* q = q_data + b * qSB + h * qSH + m0 * qSM;
-      const float* k = k_data + b * kSB + kv * kSH;
-      const float* v = v_data + b * vSB + kv * vSH;
-      float* out = out_data + b * oSB + m0 * oSM + h * value_dim;
-      const float* bias = has_bias ? bias_data + b * total : nullptr;
-      const float* weight = has_weight ? weight_data + b * length + m0 : nullptr;
+      const float* q = o.q + b * o.qSB + h * o.qSH + m0 * o.qSM;
+      const float* k = o.k + b * o.kSB + kv * o.kSH;
+      const float* v = o.v + b * o.vSB + kv * o.vSH;
+      float* out = out_data + b * oSB + m0 * oSM + h * o.value_dim;
+      const float* bias = o.bias != nullptr ? o.bias + b * o.total : nullptr;
+      const float* weight = o.weight != nullptr ? o.weight + b * o.length + m0 : nullptr;
       std::fill(running_max.begin(), running_max.end(), kNegInf);
       std::fill(running_sum.begin(), running_sum.end(), 0.0f);
 
@@ -124,8 +172,8 @@ std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor 
       for (int64_t n0 = 0; n0 < visible; n0 += key_block, ++key_blocks) {
         const int64_t cols = std::min(key_block, visible - n0);
         float* s = exps + key_blocks * row_block * key_block;
-        // s (rows x cols, ld key_block) = alpha * q (rows x d, ld qSM) . k_blockᵀ (k_block: cols x d, ld kSN)
-        gemm('T', 'N', cols, rows, head_dim, alpha, k + n0 * kSN, kSN, q, qSM, 0.0f, s, key_block);
+        // s (rows x cols, ld key_block) = alpha * q (rows x d, ld o.qSM) . k_blockᵀ (k_block: cols x d, ld o.kSN)
+        gemm('T', 'N', cols, rows, o.head_dim, alpha, k + n0 * o.kSN, o.kSN, q, o.qSM, 0.0f, s, key_block);
         for (int64_t i = 0; i < rows; ++i) {
           float* row = s + i * key_block;
           const int64_t seen = std::clamp<int64_t>(base + m0 + i + 1 - n0, 0, cols);  // causal
@@ -142,19 +190,19 @@ std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor 
           if (previous != current && n0 > 0) {  // rescale what was accumulated under the old maximum
             const float factor = std::exp(previous - current);
             running_sum[i] *= factor;
-            at::vec::map([factor](Vec x) { return x * Vec(factor); }, out + i * oSM, out + i * oSM, value_dim);
+            at::vec::map([factor](Vec x) { return x * Vec(factor); }, out + i * oSM, out + i * oSM, o.value_dim);
           }
           running_max[i] = current;
           running_sum[i] += exp_shifted_sum(row, seen, cols - seen, current);
         }
-        // out (rows x dv, ld oSM) (+)= s (rows x cols, ld key_block) . v_block (cols x dv, ld vSN)
-        gemm('N', 'N', value_dim, rows, cols, 1.0f, v + n0 * vSN, vSN, s, key_block, n0 == 0 ? 0.0f : 1.0f, out,
+        // out (rows x dv, ld oSM) (+)= s (rows x cols, ld key_block) . v_block (cols x dv, ld o.vSN)
+        gemm('N', 'N', o.value_dim, rows, cols, 1.0f, v + n0 * o.vSN, o.vSN, s, key_block, n0 == 0 ? 0.0f : 1.0f, out,
              oSM);
       }
-      float* sums = sums_thread + (b * kv_heads + kv) * total;
+      float* sums = sums_thread + (b * o.kv_heads + kv) * o.total;
       for (int64_t i = 0; i < rows; ++i) {
         const float inverse = 1.0f / running_sum[i];  // > 0: a row always sees its own (live) slot
-        at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, out + i * oSM, out + i * oSM, value_dim);
+        at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, out + i * oSM, out + i * oSM, o.value_dim);
       }
       for (int64_t kb = 0; kb < key_blocks; ++kb) {
         const int64_t n0 = kb * key_block, cols = std::min(key_block, visible - n0);
@@ -172,6 +220,17 @@ std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor 
   });
   auto column_sums = threads == 1 ? partial_sums[0] : partial_sums.sum(0);
   return {column_sums, output};
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor keys, torch::Tensor values,
+                                           double scale, torch::Tensor key_bias, torch::Tensor row_weight,
+                                           int64_t row_block, int64_t key_block) {
+  const Operands o = operands(queries, keys, values, key_bias, row_weight);
+  const float alpha = static_cast<float>(scale);
+  if (o.length == 1) return single_query(o, alpha, queries.options());
+  return causal_blocks(o, alpha, row_block, key_block, queries.options());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
