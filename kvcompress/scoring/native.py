@@ -4,7 +4,7 @@ Why compiled here rather than shipped: the kernel is built against the installed
 and its vector instructions), which a wheel could not match for every torch/CPU pair; torch's extension loader
 caches the build (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), so the compiler runs once
 per machine and torch version (about a minute). Without a compiler, or with ``KVCOMPRESS_NATIVE=0``, the torch
-implementation in ``attention.py`` is used: same results, slower H2O prefill.
+implementation in ``attention.py`` is used: same results, slower H2O prefills and decode steps.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def kernel() -> ModuleType | None:
                 warnings.warn(
                     f"kvcompress: the fused CPU attention kernel could not be built ({type(error).__name__}: "
                     f"{str(error).strip().splitlines()[-1] if str(error).strip() else error!r}); using the torch "
-                    "implementation (same results, slower H2O prefill)",
+                    "implementation (same results, slower H2O prefills and decode steps)",
                     RuntimeWarning,
                     stacklevel=2,
                 )
