@@ -4,7 +4,10 @@ lock of an interrupted earlier build."""
 import os
 import time
 
-from kvcompress.scoring import native
+import pytest
+import torch
+
+from kvcompress.scoring import attention, native
 
 
 def test_kernel_builds_here_and_can_be_turned_off(monkeypatch):
@@ -23,3 +26,19 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path):
     native._remove_stale_lock(live)
     native._remove_stale_lock(tmp_path / "absent")
     assert not stale.exists() and live.exists()
+
+
+def test_a_failed_build_warns_once_and_falls_back_to_torch(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("Error building extension: g++: not found")
+
+    monkeypatch.setattr(native, "_build", no_compiler)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_kernel", None)
+    with pytest.warns(RuntimeWarning, match="could not be built.*g\\+\\+: not found.*torch"):
+        assert native.kernel() is None
+    assert native.kernel() is None  # no second attempt, no second warning
+    queries, keys = torch.randn(1, 2, 5, 4), torch.randn(1, 1, 5, 4)
+    live = torch.ones(1, 5, dtype=torch.bool)
+    scores, output = attention.observed_attention(queries, keys, live, live, 0.5, values=keys)
+    assert output.shape == (1, 5, 2, 4) and torch.allclose(scores.sum(-1), torch.full((1, 1), 10.0))

@@ -49,6 +49,8 @@ def kernel() -> ModuleType | None:
     global _kernel, _tried
     if not enabled():
         return None
+    if _tried:  # every call after the first: no lock on the hot path
+        return _kernel
     with _lock:
         if not _tried:
             _tried = True
