@@ -42,3 +42,17 @@ def test_a_failed_build_warns_once_and_falls_back_to_torch(monkeypatch):
     live = torch.ones(1, 5, dtype=torch.bool)
     scores, output = attention.observed_attention(queries, keys, live, live, 0.5, values=keys)
     assert output.shape == (1, 5, 2, 4) and torch.allclose(scores.sum(-1), torch.full((1, 1), 10.0))
+
+
+def test_each_checkout_and_source_text_gets_its_own_build(tmp_path):
+    copy = tmp_path / native.SOURCE.name
+    copy.write_text(native.SOURCE.read_text())
+    names = {
+        native.build_name(native.SOURCE, "AVX2", ["-O3"]),
+        native.build_name(copy, "AVX2", ["-O3"]),  # another checkout of the same text
+        native.build_name(native.SOURCE, "AVX2", ["-O2"]),
+    }
+    copy.write_text(native.SOURCE.read_text() + "// edited\n")
+    names.add(native.build_name(copy, "AVX2", ["-O3"]))
+    assert len(names) == 4
+    assert native.build_name(native.SOURCE, "AVX2", ["-O3"]) in names  # stable for the same inputs

@@ -9,6 +9,7 @@ implementation in ``attention.py`` is used: same results, slower H2O prefills an
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -79,7 +80,7 @@ def _build() -> ModuleType:
     flags = ["-O3"]
     if capability in _CAPABILITY_FLAGS:
         flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *_CAPABILITY_FLAGS[capability]]
-    name = f"kvcompress_fused_attention_{capability.lower()}"
+    name = build_name(SOURCE, capability, flags)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
     )
@@ -88,6 +89,13 @@ def _build() -> ModuleType:
     _remove_stale_lock(directory / "lock")
     logger.info("kvcompress: loading the fused CPU attention kernel (compiled once per machine, ~1 min)")
     return load(name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(directory), verbose=False)
+
+
+def build_name(source: Path, capability: str, flags: list[str]) -> str:
+    """One build per source file (its place and its text) and flags: two checkouts or installs sharing torch's
+    build cache would otherwise rebuild over each other each time the other one ran (a minute inside a run)."""
+    fingerprint = hashlib.sha1("\0".join([str(source.resolve()), source.read_text(), *flags]).encode()).hexdigest()
+    return f"kvcompress_fused_attention_{capability.lower()}_{fingerprint[:10]}"
 
 
 def _remove_stale_lock(lock: Path) -> None:
