@@ -10,7 +10,8 @@
 //
 // Layouts (last dimension contiguous): queries (B, H, L, d), keys (B, H_kv, T, d), values (B, H_kv, T, dv);
 // the last L slots are this forward's tokens, so row i sees slots [0, T - L + i]; `scale` multiplies the
-// logits. key_bias (B, T) adds 0 / -inf for dead slots to observed rows only; row_weight (B, L) weighs each row's contribution to the column sums (observed 1, else 0). Either may be empty.
+// logits. key_bias (B, T) adds 0 / -inf for dead slots to observed rows only; row_weight (B, L) weighs each
+// row's contribution to the column sums (observed 1, else 0). Either may be empty.
 // Returns the column sums (B, H_kv, T), summed over the query heads of each KV group, and the output
 // (B, L, H, dv), as transformers' attention functions lay it out.
 
@@ -147,6 +148,10 @@ std::vector<torch::Tensor> causal_blocks(const Operands& o, float alpha, int64_t
   const int64_t row_blocks = (o.length + row_block - 1) / row_block;
   const int64_t key_blocks_max = (o.total + key_block - 1) / key_block;
   const int64_t base = o.total - o.length;  // slot of the forward's first token
+  // how many of the `cols` slots from n0 on row m (of the forward) sees: causal, the same in both passes below
+  auto seen_from = [base](int64_t m, int64_t n0, int64_t cols) {
+    return std::clamp<int64_t>(base + m + 1 - n0, 0, cols);
+  };
 
   at::parallel_for(0, o.batch * o.heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
     // the row block's exponentiated logits, key block after key block, each block contiguous (rows x key_block);
@@ -176,7 +181,7 @@ std::vector<torch::Tensor> causal_blocks(const Operands& o, float alpha, int64_t
         gemm('T', 'N', cols, rows, o.head_dim, alpha, k + n0 * o.kSN, o.kSN, q, o.qSM, 0.0f, s, key_block);
         for (int64_t i = 0; i < rows; ++i) {
           float* row = s + i * key_block;
-          const int64_t seen = std::clamp<int64_t>(base + m0 + i + 1 - n0, 0, cols);  // causal
+          const int64_t seen = seen_from(m0 + i, n0, cols);
           if (bias != nullptr && (weight == nullptr || weight[i] != 0.0f)) {
             at::vec::map2([](Vec x, Vec y) { return x + y; }, row, row, bias + n0, seen);
           }
@@ -196,8 +201,8 @@ std::vector<torch::Tensor> causal_blocks(const Operands& o, float alpha, int64_t
           running_sum[i] += exp_shifted_sum(row, seen, cols - seen, current);
         }
         // out (rows x dv, ld oSM) (+)= s (rows x cols, ld key_block) . v_block (cols x dv, ld o.vSN)
-        gemm('N', 'N', o.value_dim, rows, cols, 1.0f, v + n0 * o.vSN, o.vSN, s, key_block, n0 == 0 ? 0.0f : 1.0f, out,
-             oSM);
+        gemm('N', 'N', o.value_dim, rows, cols, 1.0f, v + n0 * o.vSN, o.vSN, s, key_block, n0 == 0 ? 0.0f : 1.0f,
+             out, oSM);
       }
       float* sums = sums_thread + (b * o.kv_heads + kv) * o.total;
       for (int64_t i = 0; i < rows; ++i) {
@@ -210,7 +215,7 @@ std::vector<torch::Tensor> causal_blocks(const Operands& o, float alpha, int64_t
           const float observed = weight == nullptr ? 1.0f : weight[i];
           const float seen_max = block_max[i * key_blocks_max + kb];
           if (observed == 0.0f || seen_max == kNegInf) continue;
-          const int64_t seen = std::clamp<int64_t>(base + m0 + i + 1 - n0, 0, cols);
+          const int64_t seen = seen_from(m0 + i, n0, cols);
           const float w = observed * std::exp(seen_max - running_max[i]) / running_sum[i];
           const float* row = exps + (kb * row_block + i) * key_block;
           at::vec::map2([w](Vec acc, Vec x) { return acc + x * Vec(w); }, sums + n0, sums + n0, row, seen);

@@ -110,7 +110,7 @@ def _remove_stale_lock(lock: Path) -> None:
 
 
 def prepare() -> int:
-    """Builds (or finds) the kernel ahead of its first use, says which path H2O prefills will take; the exit
+    """Builds (or finds) the kernel ahead of its first use and says whether the fused pass will use it; the exit
     status for scripts/env.sh."""
     built = kernel()
     state = "ready" if built else "unavailable (torch fallback)"
