@@ -41,7 +41,7 @@ from kvcompress.models import load_default_model  # noqa: E402
 
 QUICK = dict(tasks=["passkey", "kv-2"], lengths=[1024], depths=[0.5], methods=["start+recent", "snapkv-norm_sum"],
              budgets=[0.2])
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,8 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-full-accuracy", type=float, default=0.8,
                         help="a (task, length) cell enters the sweep only if the full cache reaches this accuracy")
     parser.add_argument("--max-new-tokens", type=int, default=12)
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
-                        help="bfloat16 is about 3x faster on CPUs with AVX512-BF16 or AMX")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                        help="auto: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else float32")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--resume", action="store_true", help="keep the runs already recorded and do the rest")
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     done = {r.key: r for r in load_records(runs_path)}
 
     model, tokenizer = load_default_model(dtype=DTYPES[args.dtype])
+    args.dtype = str(model.dtype).removeprefix("torch.")  # what "auto" chose, for the report
     samples = make_samples(args.tasks, args.lengths, args.depths, args.seed, tokenizer)
     calibration = run_all([(s, FULL, 1.0) for s in samples], model, tokenizer, args, runs_path, done, "full cache")
     per_cell: dict[tuple[str, int], list[bool]] = defaultdict(list)

@@ -556,7 +556,9 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="default: kvcompress.models.default_dtype(device), i.e. bfloat16 on CUDA and on CPUs with "
+                             "native bfloat16 (AVX512-BF16 / AMX), float32 elsewhere")
     parser.add_argument("--isolated-memory", action="store_true", help="also measure peak RSS in a fresh process per run")
     parser.add_argument("--out", default="benchmarks/results/speed_memory")
     parser.add_argument("--from-json", default=None, help="only re-render the Markdown of an earlier run's JSON")
@@ -564,7 +566,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.dtype is None:
-        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+        from kvcompress.models import default_dtype
+
+        args.dtype = str(default_dtype(args.device)).removeprefix("torch.")
     return args
 
 

@@ -24,10 +24,11 @@ def load_model(spec: ModelSpec, shard: Shard) -> tuple[Any, Any]:
 
     dtype = spec.dtype if spec.dtype == "auto" else getattr(torch, spec.dtype)
     if spec.path == DEFAULT_MODEL:
-        from kvcompress.models import load_default_model
+        from kvcompress.models import default_dtype, load_default_model
 
         model, tokenizer = load_default_model(
-            dtype=torch.float32 if dtype == "auto" else dtype, attn_implementation=spec.attn_implementation
+            dtype=default_dtype(_device(shard)) if dtype == "auto" else dtype,
+            attn_implementation=spec.attn_implementation,
         )
     else:
         tokenizer = AutoTokenizer.from_pretrained(spec.path)

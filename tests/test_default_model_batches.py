@@ -14,7 +14,9 @@ FACTS = ["The secret code of the blue door is 4821.", "Anna keeps her bicycle in
 @pytest.fixture(scope="module")
 def default_model():
     try:
-        model, tokenizer = models.load_default_model()
+        # float32 whatever the CPU: the batch must reproduce the solo runs token for token, and bfloat16's
+        # rounding differs between a padded batch's matrix products and a single sequence's.
+        model, tokenizer = models.load_default_model(dtype=torch.float32)
     except models.DefaultModelUnavailableError as error:
         pytest.skip(f"default model not installed: {error}")
     tokenizer.padding_side = "left"
