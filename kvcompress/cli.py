@@ -21,13 +21,14 @@ import yaml
 
 from .cache import kv_cache_bytes, kv_cache_length
 from .compressor import KVCacheCompressor
-from .parameters import AGGREGATIONS, KVCacheCompressionMode, KVCacheCompressionParameters
+from .parameters import AGGREGATIONS, KVCacheCompressionParameters
+from .scoring.registry import SCORERS
 
 DEMO_DOCUMENT = "demo_report.txt"
 DEMO_QUESTION = "According to the report, in which city will the new battery factory be built?"
 DEMO_ANSWER = "Trondheim"
 DEFAULT_BUDGET = "20%"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 SIZE_OPTIONS = ("start_size", "intermediate_size", "recent_size")
 # Options that --config replaces: combining them with a config file would leave it unclear which one wins.
 CONFIG_EXCLUSIVE = ("algorithm", "budget", "score_aggregation", "window_size", *SIZE_OPTIONS)
@@ -77,7 +78,7 @@ def non_negative_int(text: str) -> int:
 def _compression_options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_argument_group("compression (defaults: snapkv, norm_sum, a budget of 20% of the prompt)")
-    group.add_argument("--algorithm", choices=[m.value for m in KVCacheCompressionMode], help="default: snapkv")
+    group.add_argument("--algorithm", choices=list(SCORERS), help="default: snapkv")
     group.add_argument("--budget", type=parse_budget,
                        help="slots kept per layer: a count (400) or a percentage of the prompt (20%%); "
                             "split into start / intermediate / recent by KVCacheCompressionParameters.from_budget")
@@ -94,8 +95,9 @@ def _run_options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("--question", help="appended to the prompt after a blank line")
     parent.add_argument("--max-new-tokens", type=positive_int)
-    parent.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                        help="bfloat16 is about 3x faster on CPUs with AVX512-BF16 or AMX (default: float32)")
+    parent.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                        help="auto (default): bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX, about "
+                             "3x faster there), else float32 (bfloat16 is emulated and 5x slower on AVX2-only CPUs)")
     parent.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
     return parent
 
@@ -201,7 +203,8 @@ def _load(args: argparse.Namespace):
     started = time.perf_counter()
     _log("loading the default model (SmolLM2-135M-Instruct; the first run converts it once, ~30 s) ...")
     model, tokenizer = load_default_model(dtype=DTYPES[args.dtype])
-    _log(f"  loaded in {time.perf_counter() - started:.1f} s")
+    _log(f"  loaded in {time.perf_counter() - started:.1f} s ({str(model.dtype).removeprefix('torch.')}, "
+         f"CPU kernels {torch.backends.cpu.get_cpu_capability()})")
     return model, tokenizer
 
 
@@ -226,7 +229,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def _describe(params: KVCacheCompressionParameters) -> str:
-    return (f"{params.algorithm.value}, {params.score_aggregation}, {params.strategy}, {params.max_cache_size} slots "
+    return (f"{params.algorithm}, {params.score_aggregation}, {params.strategy}, {params.max_cache_size} slots "
             f"= {params.start_size} start + {params.intermediate_size} scored + {params.recent_size} recent")
 
 

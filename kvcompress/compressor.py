@@ -2,14 +2,18 @@
 
 Data flow of one forward: the decoder pre-hook fixes the inputs for the compacted cache (true or compact
 position ids, a 2-D mask in the physical slot layout); each full-attention module's attention call goes through
-the session (``attention_function``), which scores the slots from the module's own queries (computing the
-attention output in the same pass where that is cheaper); the module's forward hook appends the scores to its
-layer state and, once the layer is over budget, evicts (gather + optional rerotation); the decoder post-hook
-commits the new slot layout that every layer now shares.
+the session (``attention_function``), which hands it to the scorer of ``algorithm`` (``scoring/registry.py``):
+the scorer reads the module's own queries and keys (computing the attention output in the same pass where that
+is cheaper); the module's forward hook combines the scores into its layer state and, once the layer is over
+budget, evicts (gather + optional rerotation); the decoder post-hook commits the new slot layout that every
+layer now shares. A scorer that reconstructs the context (KVzip) defers a prompt's eviction: the post-hook
+first runs its reconstruction passes over the full cache, then evicts every layer at once.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 import weakref
 from collections import defaultdict
@@ -22,10 +26,10 @@ from transformers.cache_utils import DynamicCache
 from . import attention_function
 from .adapters import ModelLayout, inspect_model, value_projection_weight
 from .cache import check_supported_cache, compact_layer
-from .parameters import KVCacheCompressionMode, KVCacheCompressionParameters
+from .parameters import KVCacheCompressionParameters
 from .rerotation import check_rerotation_supported, rotate_keys
-from .scoring.aggregation import head_eviction_scores
-from .scoring.attention import observation_counts, observed_attention
+from .scoring.attention import observation_counts
+from .scoring.base import AttentionCall
 from .scoring.value_norm import projected_value_l1
 from .selection.windows import left_aligned_indices, select_keep_mask
 from .state import LayerState, SequenceState
@@ -44,7 +48,13 @@ class KVCacheCompressor:
     ...     model.generate(**inputs)
     """
 
-    def __init__(self, eviction_parameters: KVCacheCompressionParameters | Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        eviction_parameters: KVCacheCompressionParameters | Mapping[str, Any] | None = None,
+        tokenizer: Any = None,
+    ):
+        """``tokenizer``: the model's, for methods that build prompts of their own (KVzip's reconstruction
+        request); when absent they load it from the model's folder (``model.name_or_path``) if they need it."""
         if eviction_parameters is None:
             eviction_parameters = KVCacheCompressionParameters()
         elif isinstance(eviction_parameters, Mapping):
@@ -55,27 +65,35 @@ class KVCacheCompressor:
                 f"{type(eviction_parameters).__name__}"
             )
         self.parameters = eviction_parameters
+        self.tokenizer = tokenizer
 
     def __call__(self, model: nn.Module) -> "CompressionSession":
-        return CompressionSession(model, self.parameters)
+        return CompressionSession(model, self.parameters, self.tokenizer)
 
 
 class CompressionSession:
     """One attachment of a compressor to one model; use it as a context manager."""
 
-    def __init__(self, model: nn.Module, parameters: KVCacheCompressionParameters):
+    def __init__(self, model: nn.Module, parameters: KVCacheCompressionParameters, tokenizer: Any = None):
         self.model = model
         self.parameters = parameters
+        self.tokenizer = tokenizer
+        self.scorer = parameters.scorer(parameters)
         self.layout: ModelLayout | None = None
         self.sequence: SequenceState | None = None
         self.layers: dict[int, LayerState] = {}
         self.timings: dict[str, float] = defaultdict(float)
         self._handles: list[Any] = []
         self._pending_layout: torch.Tensor | None = None
-        self._scored: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
-        self._due: list[tuple[nn.Module, Any, LayerState]] = []  # decode-step evictions, run after the forward
+        self._scored: dict[int, torch.Tensor | None] = {}
+        # evictions run when the forward ends: a decode step's (all layers at once), a reconstructed prompt's
+        self._due: list[tuple[nn.Module, Any, LayerState]] = []
+        self._reconstruct_due = False
+        self._replaying = False  # inside a context-reconstruction pass (KVzip): nothing joins the sequence
+        self._forward_tokens: torch.Tensor | None = None  # the current forward's ids, for reconstruction
         self._restore_attention = None
-        self._observation: tuple[torch.Tensor, int | None, torch.Tensor] | None = None  # this forward's, see _observe
+        self._observation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # see _observe
+        self._context: tuple | None = None  # (cache, snapshot) of a prefilled context, see prefill
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "CompressionSession":
@@ -92,6 +110,7 @@ class CompressionSession:
                     "true positions while compressed layers would use compact ones"
                 )
             check_rerotation_supported(layout.rotary_emb, type(self.model).__name__)
+        self.scorer.bind(self.model, self._tokenizer_if_needed())
         self.layout = layout
         try:
             self._handles.append(
@@ -111,6 +130,18 @@ class CompressionSession:
     def __exit__(self, *exc_info) -> None:
         self._detach()
 
+    def _tokenizer_if_needed(self):
+        """The tokenizer given, else (only for scorers that build prompts) the one saved beside the model."""
+        if self.tokenizer is not None or not self.scorer.reconstructs:
+            return self.tokenizer
+        path = getattr(self.model, "name_or_path", "") or ""
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(path, local_files_only=True) if path else None
+        except (OSError, ValueError):
+            return None
+
     def _detach(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -122,7 +153,8 @@ class CompressionSession:
         self.layers.clear()
         self._scored.clear()
         self._due.clear()
-        self._pending_layout = None
+        self._reconstruct_due = self._replaying = False
+        self._pending_layout = self._forward_tokens = self._context = None
         _ACTIVE_MODELS.discard(self.model)
 
     @property
@@ -134,6 +166,8 @@ class CompressionSession:
         if not self.compressed_layers:
             return None
         tokens = kwargs.get("input_ids", args[0] if args else None)
+        if not self._replaying:
+            self._forward_tokens = tokens  # None when the caller gives embeddings
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
         batch, length = tokens.shape[:2]
@@ -186,8 +220,10 @@ class CompressionSession:
         sequence.forward_layout = layout
         sequence.forward_positions = positions.to(torch.long)
         sequence.forward_true_positions = true_positions
-        self._pending_layout = None
-        self._due.clear()  # left over only if an earlier forward failed half-way
+        if not self._replaying:
+            self._pending_layout = None
+            self._due.clear()  # left over only if an earlier forward failed half-way
+            self._reconstruct_due = False
         self._scored.clear()
         self._observation = None
         return args, kwargs
@@ -196,20 +232,69 @@ class CompressionSession:
         sequence = self.sequence
         if sequence is None or sequence.forward_valid is None:
             return
-        if self._due:
-            due, self._due = self._due, []
-            self._evict(due, sequence.forward_layout, self._eviction_threshold(1))
         new_valid = sequence.forward_valid
-        sequence.seen = sequence.seen + new_valid.sum(-1)
-        sequence.total += new_valid.shape[-1]
+        sequence.forward_valid = sequence.forward_positions = sequence.forward_true_positions = None
+        if self._replaying:  # a reconstruction pass: its tokens were dropped layer by layer
+            sequence.forward_layout = None
+            return
+        due, self._due = self._due, []
+        reconstruct, self._reconstruct_due = self._reconstruct_due, False
+        if due and not reconstruct:  # a decode step's evictions
+            self._evict(due, sequence.forward_layout, self._eviction_threshold(1))
+        self._commit(new_valid.sum(-1), new_valid.shape[-1], sequence.forward_layout)
+        sequence.forward_layout = None
+        if reconstruct:
+            tokens, self._forward_tokens = self._forward_tokens, None
+            self._reconstruct(kwargs.get("cache", kwargs.get("past_key_values")), tokens, new_valid)
+            self._evict(due, sequence.slot_valid, self._eviction_threshold(new_valid.shape[-1]))
+            self._commit(0, 0, sequence.slot_valid)
+
+    def _commit(self, real_tokens, tokens: int, layout: torch.Tensor) -> None:
+        """The forward's tokens join the sequence; the slot layout is the evicted one if an eviction ran."""
+        sequence = self.sequence
+        sequence.seen = sequence.seen + real_tokens
+        sequence.total += tokens
         if self._pending_layout is not None:
             sequence.slot_valid = self._pending_layout
             sequence.evictions += 1
         else:
-            sequence.slot_valid = sequence.forward_layout
-        sequence.forward_valid = sequence.forward_positions = sequence.forward_true_positions = None
-        sequence.forward_layout = None
+            sequence.slot_valid = layout
         self._pending_layout = None
+
+    def _reconstruct(self, cache: DynamicCache, tokens: torch.Tensor | None, new_valid: torch.Tensor) -> None:
+        """Run the scorer's context-reconstruction passes (KVzip) over the full cache of this prompt.
+
+        Each pass is a forward of the decoder on top of the cache, at the positions that would follow the
+        prompt; each sequence of a batch reconstructs its own real tokens (left-padded to the longest). The
+        compressed layers drop the pass's slots right after their attention (``_after_attention``), so each
+        pass sees only the prompt and at most one layer at a time holds the extra chunk; sliding-window layers,
+        which would push prompt tokens out of their window, are restored afterwards.
+        """
+        if tokens is None:
+            raise ValueError(
+                f"kvcompress: algorithm={self.parameters.algorithm!r} reconstructs the prompt from its token ids; "
+                "pass input_ids, not inputs_embeds"
+            )
+        started = time.perf_counter()
+        context = [row[valid].tolist() for row, valid in zip(tokens, new_valid.to(tokens.device))]
+        sliding = {index: _layer_snapshot(cache.layers[index]) for index in self.layout.sliding_layers
+                   if index < len(cache.layers)}
+        self._replaying = True
+        try:
+            with torch.no_grad():
+                for rows in self.scorer.replay_inputs(context):
+                    width = max(len(row) for row in rows)
+                    ids = torch.tensor([[0] * (width - len(row)) + row for row in rows], device=tokens.device)
+                    real = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows],
+                                        device=tokens.device)
+                    mask = torch.cat([torch.ones(len(rows), self.sequence.total, dtype=real.dtype,
+                                                 device=real.device), real], dim=-1)
+                    self.layout.decoder(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        finally:
+            self._replaying = False
+            for index, snapshot in sliding.items():
+                cache.layers[index].__dict__.update(snapshot)
+        self.timings["reconstruction"] += time.perf_counter() - started
 
     def _start_sequence(self, cache: DynamicCache, batch: int, device: torch.device) -> None:
         self.layers.clear()
@@ -271,45 +356,50 @@ class CompressionSession:
     def _attend(self, module, query, key, value, attention_mask, original, **kwargs):
         """The module's attention call: its output, and this forward's scores for the forward hook.
 
-        H2O and decode steps compute both in one pass (``observed_attention`` with the values); SnapKV's window,
-        training-mode calls (dropout) and calls that return attention weights keep the original function for the
-        output and score on the side.
+        The scorer sees the module's own post-RoPE queries and the updated cache; where it computes the
+        attention output in the same pass (H2O and decode steps, KVzip's reconstruction), the original function
+        does not run. Training-mode calls (dropout) and calls that return attention weights always keep the
+        original function for the output.
         """
         sequence = self.sequence
         if sequence is None or sequence.forward_valid is None:
             return original(module, query, key, value, attention_mask, **kwargs)
         started = time.perf_counter()
-        output = head_scores = counts = None
+        output = head_scores = None
         if self.parameters.intermediate_size > 0:  # else only fixed windows survive: scores are never read
-            observed, pool, counts = self._observe(query.shape[2], key.shape[-2])
-            # the caller may want the original's weights (output_attentions) or its dropout
-            fuse = pool is None and not kwargs.get("dropout") and not kwargs.get("output_attentions")
-            head_scores, output = observed_attention(
-                query, key, sequence.forward_layout, observed, kwargs.get("scaling") or module.scaling,
-                softcap=kwargs.get("softcap"), pool_kernel=pool, values=value if fuse else None,
-                all_live=sequence.forward_all_live,
+            call = AttentionCall(
+                module=module, queries=query, keys=key, values=value, slot_valid=sequence.forward_layout,
+                observed=self._observe(key.shape[-2])[0], scaling=kwargs.get("scaling") or module.scaling,
+                softcap=kwargs.get("softcap"), all_live=sequence.forward_all_live,
+                # the caller may want the original's weights (output_attentions) or its dropout
+                may_fuse=not kwargs.get("dropout") and not kwargs.get("output_attentions"),
+                positions=sequence.forward_positions, replay=self._replaying,
             )
-        self._scored[module.layer_idx] = head_scores, counts
+            head_scores, output = self.scorer.attend(call, self._layer_state(module.layer_idx, key))
+        self._scored[module.layer_idx] = head_scores
         self.timings["attention_and_scoring" if output is not None else "scoring"] += time.perf_counter() - started
         if output is None:
             return original(module, query, key, value, attention_mask, **kwargs)
         return output, None
 
-    def _observe(self, length: int, total: int) -> tuple[torch.Tensor, int | None, torch.Tensor]:
-        """Which queries of this forward count, SnapKV's pooling kernel, and the observation counts.
+    def _observe(self, total: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The queries the scorer observes in this forward, and for accumulated attention their counts.
 
         The same for every compressed layer (they share the slot layout), so computed once per forward.
         """
         if self._observation is None:
-            params = self.parameters
-            observed = self.sequence.forward_valid
-            pool = None
-            if params.algorithm is KVCacheCompressionMode.SNAPKV and length > 1:
-                if length > params.window_size:
-                    observed = observed & (torch.arange(length, device=observed.device) >= length - params.window_size)
-                pool = params.snapkv_kernel_size
-            self._observation = observed, pool, observation_counts(observed, total)
+            observed = self.scorer.observed_queries(self.sequence.forward_valid, self._replaying)
+            counts = None
+            if observed is not None and self.scorer.combine == "add":
+                counts = observation_counts(observed, total)
+            self._observation = observed, counts
         return self._observation
+
+    def _layer_state(self, index: int, keys: torch.Tensor) -> LayerState:
+        state = self.layers.get(index)
+        if state is None:
+            state = self.layers[index] = LayerState.empty(keys.shape[0], keys.shape[1], keys.device)
+        return state
 
     def _after_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         sequence = self.sequence
@@ -319,10 +409,7 @@ class CompressionSession:
         layer = cache.layers[module.layer_idx]
         length = sequence.forward_valid.shape[-1]
         total = layer.keys.shape[-2]
-        state = self.layers.get(module.layer_idx)
-        if state is None:
-            state = LayerState.empty(layer.keys.shape[0], layer.keys.shape[1], layer.keys.device)
-            self.layers[module.layer_idx] = state
+        state = self._layer_state(module.layer_idx, layer.keys)
         if state.length != total - length:
             raise RuntimeError(
                 f"kvcompress: layer {module.layer_idx} holds {total - length} cached slots but its scores cover "
@@ -333,19 +420,32 @@ class CompressionSession:
                 f"kvcompress: layer {module.layer_idx} ran without the session's attention function (was "
                 "config._attn_implementation changed inside the `with` block?)"
             )
-        head_scores, counts = self._scored.pop(module.layer_idx)
+        head_scores = self._scored.pop(module.layer_idx)
         started = time.perf_counter()
+        if self._replaying:  # the reconstruction's own slots leave the cache; only the scores remain
+            if head_scores is not None:
+                state.merge(head_scores, self.scorer.combine)
+            layer.keys = layer.keys[..., : total - length, :].contiguous()
+            layer.values = layer.values[..., : total - length, :].contiguous()
+            self.timings["scoring"] += time.perf_counter() - started
+            return
         value_norms = None
         if self.parameters.refined_algorithm == "criticalkv":
             value_norms = projected_value_l1(
                 layer.values[:, :, -length:], value_projection_weight(module), module.num_key_value_groups
             )
-        state.append(head_scores, counts, sequence.forward_positions, sequence.forward_true_positions, value_norms)
+        counts = self._observe(total)[1] if head_scores is not None else None
+        state.append(head_scores, counts, sequence.forward_positions, sequence.forward_true_positions, value_norms,
+                     combine=self.scorer.combine)
         self.timings["scoring"] += time.perf_counter() - started
         threshold = self._eviction_threshold(length)
         if total > threshold:
             if length == 1:  # a decode step: every due layer is evicted at once when the forward ends
                 self._due.append((module, layer, state))
+            elif self.scorer.reconstructs and self.parameters.intermediate_size > 0:
+                # scored by the reconstruction passes that follow the forward, then evicted with every layer
+                self._due.append((module, layer, state))
+                self._reconstruct_due = True
             else:  # a prefill evicts right away, so that at most one layer at a time holds the whole prompt
                 self._evict([(module, layer, state)], sequence.forward_layout, threshold)
 
@@ -372,7 +472,8 @@ class CompressionSession:
             value_norms = torch.cat([state.value_norms for state in states])
         slot_rows = slot_valid.repeat(len(layers), 1)
         keep = select_keep_mask(
-            torch.cat([head_eviction_scores(state, self.parameters.score_aggregation) for state in states]),
+            torch.cat([self.scorer.eviction_scores(state, layer.keys, layer.values, slot_valid)
+                       for _, layer, state in layers]),
             slot_rows, self.parameters, value_norms,
         )
         # Each sequence evicts on its own schedule (as it would alone); padding only makes the batch wider.
@@ -405,10 +506,7 @@ class CompressionSession:
         sequence.seen = sequence.seen.index_select(0, beam_idx.to(sequence.seen.device))
         sequence.slot_valid = sequence.slot_valid.index_select(0, beam_idx.to(sequence.seen.device))
         for state in self.layers.values():
-            for name in ("head_scores", "counts", "rope_positions", "true_positions", "value_norms"):
-                tensor = getattr(state, name)
-                if tensor is not None:
-                    setattr(state, name, tensor.index_select(0, beam_idx.to(tensor.device)))
+            state.reorder(beam_idx)
 
 
 def _per_layer_type_masks(decoder, tokens, true_mask, compact_mask, cache, positions) -> dict[str, torch.Tensor]:
@@ -425,6 +523,12 @@ def _per_layer_type_masks(decoder, tokens, true_mask, compact_mask, cache, posit
         "full_attention": create_causal_mask(attention_mask=compact_mask, **common),
         "sliding_attention": create_sliding_window_causal_mask(attention_mask=true_mask, **common),
     }
+
+
+def _layer_snapshot(layer) -> dict[str, Any]:
+    """What restores a cache layer whose tensors its updates replace (they never write into them)."""
+    return {name: value.clone() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+            for name, value in vars(layer).items()}
 
 
 def _guard_cache(cache: DynamicCache, session: CompressionSession) -> None:

@@ -13,10 +13,16 @@ from typing import Any, Mapping
 
 
 class KVCacheCompressionMode(str, enum.Enum):
-    """How token importance is scored. A ``str`` enum so YAML and JSON can carry plain strings."""
+    """The built-in scoring methods, for code that prefers constants to strings. ``algorithm`` takes any name
+    in the scorer registry (``kvcompress.scoring.registry.SCORERS``), these and the ones registered later."""
 
     H2O = "h2o"
     SNAPKV = "snapkv"
+    KVZIP = "kvzip"
+    EXPECTED_ATTENTION = "expected_attention"
+    TOVA = "tova"
+    KEYDIFF = "keydiff"
+    KNORM = "knorm"
 
 
 STRATEGIES = ("per_token", "per_group")
@@ -39,7 +45,7 @@ class KVCacheCompressionParameters:
     scored slots survive. The layer budget is their sum (``max_cache_size``).
     """
 
-    algorithm: KVCacheCompressionMode | str = KVCacheCompressionMode.SNAPKV
+    algorithm: str = "snapkv"
     strategy: str = "per_token"
     group_size: int = 32
     start_size: int = 32
@@ -57,19 +63,35 @@ class KVCacheCompressionParameters:
     criticalkv_first_stage_ratio: float = 0.5
     criticalkv_epsilon: float = 1e-4
     rerotate_keys: bool = False
+    scorer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
+        from .scoring.registry import scorer_class
+
+        if isinstance(self.algorithm, enum.Enum):
+            object.__setattr__(self, "algorithm", self.algorithm.value)
         self._check_types()
-        try:
-            algorithm = KVCacheCompressionMode(self.algorithm)
-        except ValueError:
-            raise ValueError(
-                f"algorithm must be one of {_allowed(m.value for m in KVCacheCompressionMode)}, got {self.algorithm!r}"
-            ) from None
-        object.__setattr__(self, "algorithm", algorithm)
-        if algorithm is KVCacheCompressionMode.SNAPKV and self.window_size is None:
+        scorer = scorer_class(self.algorithm)
+        if not isinstance(self.scorer_options, Mapping):
+            raise TypeError(f"scorer_options must be a mapping, got {type(self.scorer_options).__name__}")
+        scorer.check_options(dict(self.scorer_options))
+        object.__setattr__(self, "scorer_options", dict(self.scorer_options))
+        if scorer.uses_window and self.window_size is None:
             object.__setattr__(self, "window_size", DEFAULT_SNAPKV_WINDOW)
+        if not scorer.uses_window and self.window_size is not None:
+            windowed = [name for name, cls in _registered().items() if cls.uses_window]
+            raise ValueError(
+                f"window_size is only allowed with algorithm={' or '.join(map(repr, windowed))} (the methods that "
+                f"observe a window); got window_size={self.window_size} with algorithm={self.algorithm!r}"
+            )
         self._check_values()
+
+    @property
+    def scorer(self) -> type:
+        """The registered class of ``algorithm`` (``kvcompress.scoring.base.Scorer``)."""
+        from .scoring.registry import scorer_class
+
+        return scorer_class(self.algorithm)
 
     # ------------------------------------------------------------------ validation
     def _check_types(self) -> None:
@@ -111,11 +133,6 @@ class KVCacheCompressionParameters:
                         f"{name} must be a multiple of group_size={self.group_size} with strategy='per_group', "
                         f"got {getattr(self, name)}"
                     )
-        if self.algorithm is KVCacheCompressionMode.H2O and self.window_size is not None:
-            raise ValueError(
-                "window_size is only allowed with algorithm='snapkv' (H2O observes every query); "
-                f"got window_size={self.window_size} with algorithm='h2o'"
-            )
         if self.window_size is not None and self.window_size < 1:
             raise ValueError(f"window_size must be >= 1, got {self.window_size}")
         if self.snapkv_kernel_size < 1 or self.snapkv_kernel_size % 2 == 0:
@@ -156,7 +173,7 @@ class KVCacheCompressionParameters:
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data["algorithm"] = self.algorithm.value
+        data["scorer_options"] = dict(self.scorer_options)
         return data
 
     @classmethod
@@ -207,6 +224,12 @@ class KVCacheCompressionParameters:
                 f"start_size + recent_size ({start_size} + {recent_size}) exceed the budget {budget}"
             )
         return cls(start_size=start_size, recent_size=recent_size, intermediate_size=intermediate, **overrides)
+
+
+def _registered() -> dict:
+    from .scoring.registry import SCORERS
+
+    return SCORERS
 
 
 _INT_FIELDS = {

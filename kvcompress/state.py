@@ -49,14 +49,17 @@ class LayerState:
 
     The five per-slot tensors are views of the first ``length`` slots of buffers with spare capacity:
 
-    * ``head_scores`` (B, H_kv, T) float32: summed attention per KV head;
+    * ``head_scores`` (B, H_kv, T) float32: the scorer's combined scores per KV head (summed attention for H2O
+      and SnapKV, the most attention received for KVzip, the newest observation for TOVA);
     * ``counts`` (B, T) float32: how many observed queries could see the slot (the norm_sum divisor);
     * ``rope_positions`` (B, T) int64: the position the cached key is currently rotated to;
     * ``true_positions`` (B, T) int64: the slot's position in the full sequence;
     * ``value_norms`` (B, T) float32 or None: mean over heads of ||v W_o||_1 (CriticalKV).
 
-    ``append`` accumulates a forward's scores with one in-place add per tensor (the spare slots are kept at
-    zero), so a decode step neither reallocates nor copies the state; assigning an attribute replaces its buffer.
+    ``append`` combines a forward's scores in place (the spare slots are kept at zero), so a decode step neither
+    reallocates nor copies the state; assigning an attribute replaces its buffer. ``statistics`` holds what a
+    scorer keeps per sequence rather than per slot (tensors with the batch first, e.g. Expected Attention's query
+    mean and covariance): eviction leaves it alone, beam search reorders it.
     """
 
     _FIELDS = ("head_scores", "counts", "rope_positions", "true_positions", "value_norms")
@@ -65,6 +68,7 @@ class LayerState:
         self._length = counts.shape[-1]
         self._capacity = self._capacity_for(self._length)
         self._buffers: dict[str, torch.Tensor | None] = {}
+        self.statistics: dict[str, torch.Tensor] = {}
         for name, tensor in zip(self._FIELDS, (head_scores, counts, rope_positions, true_positions, value_norms)):
             setattr(self, name, tensor)
 
@@ -114,19 +118,22 @@ class LayerState:
                 self._buffers[name] = grown
 
     # ------------------------------------------------------------------ the protocol the compressor uses
-    def append(self, step_head_scores, step_counts, rope_positions, true_positions, value_norms=None) -> None:
-        """Add one forward's observations: old slots accumulate, new slots are appended.
+    def append(
+        self, step_head_scores, step_counts, rope_positions, true_positions, value_norms=None, combine: str = "add"
+    ) -> None:
+        """Add one forward's observations: old slots combine with them, new slots are appended.
 
         ``step_head_scores`` (B, H_kv, T') and ``step_counts`` (B, T') cover the old slots and the new ones
         (T' = length + q); positions and value norms (B, q) cover the new slots only. Scores and counts may be
-        None when nothing reads them (no scored area): the new slots then start at zero without any work.
+        None when nothing reads them (no scored area, or a method that scores at eviction): the new slots then
+        start at zero without any work. ``combine`` is the scorer's (``add``, ``max`` or ``replace``).
         """
         old = self._length
         new = old + rope_positions.shape[-1]
         self._reserve(new)
         buffers = self._buffers
-        if step_head_scores is not None:  # the slots past ``old`` are zero: this adds and appends at once
-            buffers["head_scores"][..., :new] += step_head_scores
+        if step_head_scores is not None:  # the slots past ``old`` are zero: this combines and appends at once
+            _combine(buffers["head_scores"][..., :new], step_head_scores, combine)
         if step_counts is not None:
             buffers["counts"][..., :new] += step_counts
         buffers["rope_positions"][..., old:new] = rope_positions
@@ -136,6 +143,19 @@ class LayerState:
                 buffers["value_norms"] = self._allocate_like(value_norms, self._capacity)
             buffers["value_norms"][..., old:new] = value_norms
         self._length = new
+
+    def merge(self, scores: torch.Tensor, combine: str) -> None:
+        """Combine scores (B, H_kv, T) for the cached slots without appending any (a reconstruction pass)."""
+        _combine(self._buffers["head_scores"][..., : self._length], scores[..., : self._length], combine)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Follow a batch reordering of the cache (beam search)."""
+        for name in self._FIELDS:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, rows.to(tensor.device)))
+        for name, tensor in self.statistics.items():
+            self.statistics[name] = tensor.index_select(0, rows.to(tensor.device))
 
     def gather(self, keep: torch.Tensor) -> None:
         """Keep only the slots ``keep`` (B, K), in that order."""
@@ -157,6 +177,17 @@ class LayerState:
             rope_positions=torch.zeros(batch, 0, dtype=torch.long, device=device),
             true_positions=torch.zeros(batch, 0, dtype=torch.long, device=device),
         )
+
+
+def _combine(target: torch.Tensor, scores: torch.Tensor, combine: str) -> None:
+    if combine == "add":
+        target += scores
+    elif combine == "max":
+        target.copy_(torch.maximum(target, scores))
+    elif combine == "replace":
+        target.copy_(scores)
+    else:
+        raise ValueError(f"combine must be 'add', 'max' or 'replace', got {combine!r}")
 
 
 def _field(name: str) -> property:

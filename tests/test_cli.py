@@ -41,7 +41,7 @@ def test_config_file(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--budget", "0"], "--budget: expected a positive number of slots"),
     (["demo", "--budget", "150%"], "percentage of the prompt in (0, 100]"),
-    (["demo", "--algorithm", "streaming"], "choose from 'h2o', 'snapkv'"),
+    (["demo", "--algorithm", "streaming"], "choose from 'snapkv', 'h2o', 'kvzip'"),
     (["demo", "--score-aggregation", "mean"], "choose from 'sum', 'norm_sum'"),
     (["demo", "--start-size", "4"], "all three of --start-size, --intermediate-size, --recent-size"),
     (["demo", "--budget", "64", "--recent-size", "8"], "either --budget or all three"),

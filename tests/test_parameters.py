@@ -42,6 +42,12 @@ INVALID = [
     ({"strategy": "per_group", "intermediate_size": 100}, ValueError, "intermediate_size"),
     ({"strategy": "per_group", "recent_size": 48}, ValueError, "recent_size"),
     ({"strategy": "per_group", "refined_algorithm": "kvcrush", "refined_size": 16}, ValueError, "refined_size"),
+    ({"scorer_options": {"chunk_size": 512}}, ValueError, "do not apply to algorithm='snapkv'"),
+    ({"scorer_options": [("chunk_size", 512)]}, TypeError, "scorer_options must be a mapping"),
+    ({"algorithm": "kvzip", "scorer_options": {"chunk_size": "big"}}, TypeError, "chunk_size"),
+    ({"algorithm": "kvzip", "scorer_options": {"chunk_size": 0}}, ValueError, "chunk_size"),
+    ({"algorithm": "expected_attention", "scorer_options": {"covariance": 1}}, TypeError, "covariance"),
+    ({"algorithm": "tova", "window_size": 8}, ValueError, "window_size is only allowed with algorithm='snapkv'"),
 ]
 
 
@@ -58,13 +64,13 @@ def test_invalid_values_name_the_field(overrides, error, field):
 
 def test_defaults_and_round_trip(tmp_path):
     params = KVCacheCompressionParameters()
-    assert params.algorithm is KVCacheCompressionMode.SNAPKV and params.window_size == 8
+    assert params.algorithm == KVCacheCompressionMode.SNAPKV == "snapkv" and params.window_size == 8
     assert params.max_cache_size == 224
     assert KVCacheCompressionParameters.from_dict(params.to_dict()) == params
     path = tmp_path / "p.yaml"
     path.write_text("algorithm: h2o\nstart_size: 4\nintermediate_size: 60\nrecent_size: 4\n")
     loaded = KVCacheCompressionParameters.from_yaml(path)
-    assert loaded.algorithm is KVCacheCompressionMode.H2O and loaded.window_size is None and loaded.max_cache_size == 68
+    assert loaded.algorithm == "h2o" and loaded.window_size is None and loaded.max_cache_size == 68
 
 
 def test_yaml_unknown_key_and_wrong_type(tmp_path):

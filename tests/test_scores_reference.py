@@ -11,7 +11,6 @@ import torch
 
 from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
-from kvcompress.scoring.aggregation import head_eviction_scores
 
 PROMPT, WINDOW, DECODE_STEPS = 40, 8, 3
 
@@ -84,5 +83,5 @@ def test_hook_scores_equal_eager_attention_weights(algorithm, aggregation, arch,
         torch.testing.assert_close(state.head_scores[0].double(), expected_scores, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(state.counts[0].double(), expected_counts, rtol=0, atol=0)
         expected = expected_scores / expected_counts.clamp(min=1) if aggregation == "norm_sum" else expected_scores
-        torch.testing.assert_close(head_eviction_scores(state, aggregation)[0].double(), expected,
-                                   rtol=1e-4, atol=1e-6)
+        ranked = params.scorer(params).eviction_scores(state, None, None, None)
+        torch.testing.assert_close(ranked[0].double(), expected, rtol=1e-4, atol=1e-6)

@@ -63,8 +63,11 @@ def observed_attention(
     pool_kernel: int | None = None,
     values: torch.Tensor | None = None,
     all_live: bool | None = None,
+    reduce: str = "sum",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Summed softmax attention of the observed queries of this forward, and the attention output if ``values``.
+    """Softmax attention of the observed queries of this forward, reduced over them and the query heads of each
+    KV group (``reduce="sum"``, the column sums; ``"max"``, the most any of them gives each slot), and the
+    attention output if ``values``.
 
     ``queries`` (B, H, q, d) are the module's post-RoPE queries, ``keys`` / ``values`` (B, H_kv, T, d) the cache
     after its update (the last q slots are this forward's tokens), ``slot_valid`` (B, T) marks live slots and
@@ -79,12 +82,15 @@ def observed_attention(
     total, kv_heads = keys.shape[-2], keys.shape[1]
     groups = heads // kv_heads
     per_head = pool_kernel is not None and pool_kernel > 1
-    if values is not None and not per_head and not softcap and native.supports(queries, keys, values):
+    if reduce not in ("sum", "max"):
+        raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
+    maximum = reduce == "max"
+    if values is not None and not per_head and not softcap and not maximum and native.supports(queries, keys, values):
         kernel = native.kernel()
         if kernel is not None:
             return _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live)
     if length == 1 and not per_head:
-        return _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live)
+        return _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live, maximum)
 
     summed = torch.zeros(batch, kv_heads, groups if per_head else 1, total, device=keys.device)
     output = None
@@ -127,23 +133,33 @@ def observed_attention(
         maxima = logits5.amax(-1, keepdim=True)
         logits.sub_(maxima.view(batch, kv_heads, groups * rows_in_chunk, 1)).exp2_()
         inverse = logits.sum(-1).reciprocal_()  # (B, H_kv, G·c)
+        if maximum:  # the reduction needs each row's probabilities: normalise in place, the output then needs none
+            logits.mul_(inverse.unsqueeze(-1))
+            inverse = torch.ones_like(inverse)
         if output is not None:
             chunk_output = torch.matmul(logits.to(values.dtype), values[..., :visible, :])
-            chunk_output.mul_(inverse.unsqueeze(-1).to(values.dtype))
+            if not maximum:
+                chunk_output.mul_(inverse.unsqueeze(-1).to(values.dtype))
             output[:, start:stop] = chunk_output.view(batch, kv_heads, groups, rows_in_chunk, head_dim).permute(
                 0, 3, 1, 2, 4
             )
         row_weights = inverse
         if padded or partial:
             row_weights = inverse * chunk_observed.to(inverse.dtype).repeat(1, groups)[:, None, :]
-        if per_head:  # keep the query heads apart for SnapKV's pooling: (B, H_kv, G, 1, c) @ (B, H_kv, G, c, T)
+        if maximum:  # (B, H_kv, G·c, visible) -> (B, H_kv, 1, visible); unobserved rows count as zero
+            chunk_max = (logits * row_weights.unsqueeze(-1)).amax(-2, keepdim=True) if padded or partial else (
+                logits.amax(-2, keepdim=True))
+            summed[..., :visible] = torch.maximum(summed[..., :visible], chunk_max)
+        elif per_head:  # keep the query heads apart for SnapKV's pooling: (B, H_kv, G, 1, c) @ (B, H_kv, G, c, T)
             contribution = torch.matmul(
                 row_weights.view(batch, kv_heads, groups, 1, rows_in_chunk), logits5
             ).squeeze(-2)
         else:  # (B, H_kv, 1, G·c) @ (B, H_kv, G·c, T): every row of the group at once
             contribution = torch.matmul(row_weights.unsqueeze(-2), logits)
-        summed[..., :visible] += contribution
-        del logits, logits5, contribution
+        if not maximum:
+            summed[..., :visible] += contribution
+            del contribution
+        del logits, logits5
         start = stop
     if per_head:
         flat = summed.flatten(0, 2).unsqueeze(1)
@@ -200,7 +216,7 @@ def _logits(grouped_queries: torch.Tensor, keys_t: torch.Tensor, softcap: float 
     return logits
 
 
-def _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live):
+def _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live, maximum=False):
     """A decode step: one attention row per query head, no chunking, no host-device synchronisation.
 
     The query sees every slot (it is the last one), so only dead slots need a mask: skipped when the caller
@@ -220,7 +236,7 @@ def _single_query(queries, keys, values, slot_valid, observed, scaling, softcap,
     output = None
     if values is not None:
         output = torch.matmul(probabilities.to(values.dtype), values).view(batch, 1, heads, head_dim)
-    weights = probabilities.sum(2)  # (B, H_kv, T)
+    weights = probabilities.amax(2) if maximum else probabilities.sum(2)  # (B, H_kv, T)
     if not all_live:
         weights = weights * observed[:, :, None]
     return weights, output

@@ -1,0 +1,36 @@
+"""Accumulated attention (H2O, SnapKV): the attention each slot receives, summed over the observed queries.
+
+The shared part of the two methods, which differ only in which queries they observe and whether a prompt's
+window is max-pooled. Scores add up over forwards (``combine = "add"``); at eviction ``score_aggregation``
+turns them into the ranking score: ``sum`` ranks by total attention received, which favours old tokens that
+had more steps to collect it (H2O); ``norm_sum`` divides by the number of queries that observed each slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import observed_attention
+from .base import AttentionCall, Scorer
+
+
+class AccumulatedAttention(Scorer):
+    combine = "add"
+
+    def pool_kernel(self, call: AttentionCall) -> int | None:
+        """SnapKV max-pools a prompt's window scores; None: no pooling."""
+        return None
+
+    def attend(self, call: AttentionCall, state) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        pool = self.pool_kernel(call)
+        # a pooled window keeps the original attention for the output and scores beside it
+        fuse = call.may_fuse and pool is None
+        return observed_attention(
+            call.queries, call.keys, call.slot_valid, call.observed, call.scaling, softcap=call.softcap,
+            pool_kernel=pool, values=call.values if fuse else None, all_live=call.all_live,
+        )
+
+    def eviction_scores(self, state, keys, values, slot_valid) -> torch.Tensor:
+        if self.parameters.score_aggregation == "norm_sum":
+            return state.head_scores / state.counts.clamp(min=1.0).unsqueeze(1)
+        return state.head_scores

@@ -1,0 +1,107 @@
+"""What a scoring method is, as the session sees it: one class per method, described by a few declarations.
+
+A scorer answers two questions for one compressed layer:
+
+* during each forward, through the session's attention function (``attend``): what this forward's queries say
+  about every slot, and, where that is cheaper, the attention output computed in the same pass;
+* at each eviction (``eviction_scores``): the per-KV-head score (B, H_kv, T) that selection ranks by, higher
+  kept. Methods that look only at the cache (key norms, key diversity, expected attention) compute it here.
+
+Its class attributes declare the rest, so the session never compares method names:
+
+* ``combine``: how a forward's scores meet the slots' earlier ones: ``"add"`` (accumulated attention, H2O /
+  SnapKV, where ``score_aggregation`` applies), ``"max"`` (the most attention a slot ever received, KVzip) or
+  ``"replace"`` (only the newest observation counts, TOVA);
+* ``uses_window``: ``window_size`` and ``snapkv_kernel_size`` apply;
+* ``reconstructs``: after a prompt the session runs the scorer's context-reconstruction passes before it evicts
+  (KVzip); the prompt's own forward then evicts nothing;
+* ``options``: method-specific settings (name -> default), given as ``scorer_options`` in the parameters;
+  ``minimums`` bounds the numeric ones from below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ..parameters import KVCacheCompressionParameters
+    from ..state import LayerState
+
+
+@dataclasses.dataclass
+class AttentionCall:
+    """One compressed layer's attention call in one forward, with the session's view of the slots."""
+
+    module: nn.Module
+    queries: torch.Tensor  # (B, H, q, d): the module's post-RoPE queries
+    keys: torch.Tensor  # (B, H_kv, T, d): the cache after this forward's update (its last q slots are new)
+    values: torch.Tensor  # (B, H_kv, T, d)
+    slot_valid: torch.Tensor  # (B, T) bool: live slots (padding and filler are dead)
+    observed: torch.Tensor | None  # (B, q) bool: the queries the scorer observes this forward, or None
+    scaling: float
+    softcap: float | None
+    all_live: bool  # every slot is live and every query real: masks can be skipped
+    may_fuse: bool  # the caller accepts an output computed here (no dropout, no returned weights)
+    positions: torch.Tensor  # (B, q) int64: the RoPE positions the queries were rotated to
+    replay: bool = False  # a context-reconstruction pass (KVzip), not part of the sequence
+
+    @property
+    def length(self) -> int:
+        return self.queries.shape[2]
+
+
+class Scorer:
+    """Base class of the scoring methods; subclasses set ``name`` and override what they need."""
+
+    name: ClassVar[str]
+    combine: ClassVar[str] = "replace"
+    uses_window: ClassVar[bool] = False
+    reconstructs: ClassVar[bool] = False
+    options: ClassVar[dict[str, Any]] = {}
+    minimums: ClassVar[dict[str, float]] = {}
+
+    def __init__(self, parameters: "KVCacheCompressionParameters"):
+        self.parameters = parameters
+        self.settings = {**self.options, **dict(parameters.scorer_options)}
+
+    @classmethod
+    def check_options(cls, given: dict[str, Any]) -> None:
+        """Unknown or mistyped ``scorer_options`` fail on construction of the parameters, naming the allowed ones."""
+        unknown = sorted(set(given) - set(cls.options))
+        if unknown:
+            allowed = ", ".join(f"{name} (default {value!r})" for name, value in cls.options.items()) or "none"
+            raise ValueError(f"scorer_options {unknown} do not apply to algorithm={cls.name!r}; allowed: {allowed}")
+        for name, value in given.items():
+            default = cls.options[name]
+            kind = (int, float) if isinstance(default, float) else type(default)
+            if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, kind):
+                raise TypeError(
+                    f"scorer_options[{name!r}] for algorithm={cls.name!r} must be {type(default).__name__}, "
+                    f"got {value!r}"
+                )
+            if name in cls.minimums and value < cls.minimums[name]:
+                raise ValueError(
+                    f"scorer_options[{name!r}] for algorithm={cls.name!r} must be >= {cls.minimums[name]}, got {value!r}"
+                )
+
+    def bind(self, model: nn.Module, tokenizer: Any) -> None:
+        """Called when a session attaches to ``model``: take what the method needs from the model or tokenizer."""
+
+    def observed_queries(self, new_valid: torch.Tensor, replay: bool) -> torch.Tensor | None:
+        """Which queries of a forward (B, q) this method observes; None: it reads no query (the default)."""
+        return None
+
+    def attend(self, call: AttentionCall, state: "LayerState") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This forward's scores over all T slots (B, H_kv, T) float32, or None, and the attention output
+        (B, q, H, d) if it was computed here (else the model's own attention function runs)."""
+        return None, None
+
+    def eviction_scores(
+        self, state: "LayerState", keys: torch.Tensor, values: torch.Tensor, slot_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """The per-KV-head scores (B, H_kv, T) selection ranks by, higher kept; default: the combined scores."""
+        return state.head_scores

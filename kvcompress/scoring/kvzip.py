@@ -1,0 +1,101 @@
+"""KVzip: keep what the model needs to reconstruct the context (arXiv 2505.23416).
+
+After a prompt is prefilled, the session feeds the model, on top of the full cache, the request to repeat the
+context followed by the context itself ("\\n\\nRepeat the previous context exactly." + the chat template's turn
+change + the prompt's tokens, in chunks of ``chunk_size``; a later chunk is introduced by "\\n\\nRepeat the part
+of the previous context exactly, starting with" and the previous chunk's last 8 tokens). A cached slot's score
+is the most attention it receives from any reconstruction query of any query head of its KV group: a token the
+model must look at to reproduce the text, such as each digit of a number, scores high even if no question has
+asked for it yet. The reconstruction tokens are dropped from the cache layer by layer, so every pass sees only
+the prompt, and the prompt is then evicted on these scores (query-agnostic: the same for any later question).
+
+Scores use the exact softmax of the reconstruction forward over every cached slot (kvpress approximates it over
+4 sinks + the chunk's own slots); the scores lie in [0, 1]. Decoded tokens, and prompt tokens again, are then
+scored by the same rule as they are queried: each decode step's attention raises a slot's score to the maximum
+it has received (``combine = "max"``), so a decoded token that leaves the recent window competes with the
+prompt on the most attention any later query gave it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import observed_attention
+from .base import AttentionCall, Scorer
+
+FIRST_REQUEST = "\n\nRepeat the previous context exactly."
+NEXT_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"
+TAIL_TOKENS = 8  # tokens of the previous chunk that introduce the next one
+PLAIN_TURN_CHANGE = "\n"  # between the request and the repetition when the tokenizer has no chat template
+
+
+class KVzip(Scorer):
+    name = "kvzip"
+    combine = "max"
+    reconstructs = True
+    options = {"chunk_size": 2048}
+    minimums = {"chunk_size": 1}
+
+    def __init__(self, parameters):
+        super().__init__(parameters)
+        self.first_request: list[int] | None = None
+        self.next_request: list[int] | None = None
+        self.turn_change: list[int] | None = None
+
+    def bind(self, model, tokenizer) -> None:
+        if tokenizer is None:
+            raise ValueError(
+                "algorithm='kvzip' needs the model's tokenizer to build its reconstruction prompt: pass it as "
+                "KVCacheCompressor(params, tokenizer=tokenizer) or kvcompress.compress(model, ..., tokenizer=tokenizer)"
+            )
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        self.first_request = encode(FIRST_REQUEST)
+        self.next_request = encode(NEXT_REQUEST)
+        self.turn_change = encode(turn_change(tokenizer))
+
+    def observed_queries(self, new_valid: torch.Tensor, replay: bool) -> torch.Tensor | None:
+        # A prompt's own queries are not observed: its slots are scored by the reconstruction that follows it.
+        return new_valid if replay or new_valid.shape[-1] == 1 else None
+
+    def attend(self, call: AttentionCall, state) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if call.observed is None:
+            return None, None
+        return observed_attention(
+            call.queries, call.keys, call.slot_valid, call.observed, call.scaling, softcap=call.softcap,
+            values=call.values if call.may_fuse else None, all_live=call.all_live, reduce="max",
+        )
+
+    def replay_inputs(self, context: list[list[int]]) -> list[list[list[int]]]:
+        """The reconstruction passes for a batch: per pass, one token list per sequence (empty once a sequence's
+        context is used up). ``context`` holds each sequence's real tokens of the prompt, in order."""
+        size = self.settings["chunk_size"]
+        passes = max((len(tokens) + size - 1) // size for tokens in context)
+        inputs = []
+        for number in range(passes):
+            rows = []
+            for tokens in context:
+                chunk = tokens[number * size : (number + 1) * size]
+                if not chunk:
+                    rows.append([])
+                elif number == 0:
+                    rows.append(self.first_request + self.turn_change + chunk)
+                else:
+                    tail = tokens[number * size - TAIL_TOKENS : number * size]
+                    rows.append(self.next_request + tail + self.turn_change + chunk)
+            inputs.append(rows)
+        return inputs
+
+
+def turn_change(tokenizer) -> str:
+    """The text the chat template puts between a user message and the assistant's reply: the reconstruction
+    request is a user turn and the repetition the assistant's answer. ``"\\n"`` without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return PLAIN_TURN_CHANGE
+    marker = "KVZIP-CONTEXT-END"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    return text[text.index(marker) + len(marker) :]

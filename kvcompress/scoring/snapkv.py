@@ -1,0 +1,24 @@
+"""SnapKV: the attention of a prompt's last ``window_size`` queries, max-pooled along the slots, then each decode
+step's query (accumulated as H2O does)."""
+
+from __future__ import annotations
+
+import torch
+
+from .accumulated import AccumulatedAttention
+from .base import AttentionCall
+
+
+class SnapKV(AccumulatedAttention):
+    name = "snapkv"
+    uses_window = True
+
+    def observed_queries(self, new_valid: torch.Tensor, replay: bool) -> torch.Tensor:
+        length = new_valid.shape[-1]
+        window = self.parameters.window_size
+        if length <= window:
+            return new_valid
+        return new_valid & (torch.arange(length, device=new_valid.device) >= length - window)
+
+    def pool_kernel(self, call: AttentionCall) -> int | None:
+        return self.parameters.snapkv_kernel_size if call.length > 1 else None
