@@ -93,7 +93,8 @@ class CompressionSession:
         self._forward_tokens: torch.Tensor | None = None  # the current forward's ids, for reconstruction
         self._restore_attention = None
         self._observation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # see _observe
-        self._context: tuple | None = None  # (cache, snapshot) of a prefilled context, see prefill
+        self._context: tuple[DynamicCache, tuple] | None = None  # a prefilled context and its snapshot
+        self._evicting = True  # False while generate() answers after a prefilled context
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "CompressionSession":
@@ -156,6 +157,81 @@ class CompressionSession:
         self._reconstruct_due = self._replaying = False
         self._pending_layout = self._forward_tokens = self._context = None
         _ACTIVE_MODELS.discard(self.model)
+
+    # ------------------------------------------------------------------ compress a context once, ask after
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DynamicCache:
+        """Run a context through the model and compress it, before any question is seen (query-agnostic).
+
+        Questions then follow with ``generate``, each on the same compressed context. ``attention_mask``
+        (B, T) marks real tokens of a left-padded batch. Returns the compressed cache.
+        """
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True, logits_to_keep=1)
+        self._context = cache, self._snapshot(cache)
+        return cache
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | list[int] | None = None,
+    ) -> torch.Tensor:
+        """Greedy answer (B, ≤ max_new_tokens) to ``input_ids`` (a question, and the answer's opening) that follow
+        the context given to ``prefill``, at their true positions.
+
+        As in the query-agnostic protocol of KVzip and kvpress, the question and the answer are not compressed;
+        afterwards the context is restored exactly as ``prefill`` left it, so every question sees the same
+        compressed context and no other question. Finished sequences are padded with their end token.
+        """
+        if self._context is None:
+            raise RuntimeError("kvcompress: call session.prefill(context_ids) before session.generate(question_ids)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        cache, snapshot = self._context
+        eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
+        eos = torch.tensor(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos],
+                           device=input_ids.device)
+        batch = input_ids.shape[0]
+        new_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        seen_mask = torch.ones(batch, self.sequence.total, dtype=new_mask.dtype, device=new_mask.device)
+        mask = torch.cat([seen_mask, new_mask], dim=-1)
+        finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+        answer = []
+        self._evicting = False
+        try:
+            step_ids = input_ids
+            for _ in range(max_new_tokens):
+                logits = self.model(input_ids=step_ids, attention_mask=mask, cache=cache, use_cache=True,
+                                    logits_to_keep=1).logits
+                token = logits[:, -1].argmax(-1)
+                if answer and eos.numel():
+                    token = torch.where(finished, answer[-1], token)
+                answer.append(token)
+                finished |= torch.isin(token, eos)
+                if bool(finished.all()):
+                    break
+                step_ids = token[:, None]
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+        finally:
+            self._evicting = True
+            self._restore(cache, snapshot)
+        return torch.stack(answer, dim=-1)
+
+    def _snapshot(self, cache: DynamicCache) -> tuple:
+        """What ``_restore`` needs: cache updates replace the layers' tensors (never write into them), the
+        session's per-sequence facts are replaced too, only the layer states grow in place."""
+        return ([_layer_snapshot(layer) for layer in cache.layers], dataclasses.replace(self.sequence),
+                copy.deepcopy(self.layers))
+
+    def _restore(self, cache: DynamicCache, snapshot: tuple) -> None:
+        layers, sequence, states = snapshot
+        for layer, saved in zip(cache.layers, layers):
+            layer.__dict__.update(saved)
+        self.sequence = dataclasses.replace(sequence)
+        self.layers = copy.deepcopy(states)
 
     @property
     def compressed_layers(self) -> list[int]:
@@ -245,8 +321,10 @@ class CompressionSession:
         sequence.forward_layout = None
         if reconstruct:
             tokens, self._forward_tokens = self._forward_tokens, None
-            self._reconstruct(kwargs.get("cache", kwargs.get("past_key_values")), tokens, new_valid)
-            self._evict(due, sequence.slot_valid, self._eviction_threshold(new_valid.shape[-1]))
+            threshold = self._eviction_threshold(new_valid.shape[-1])
+            over = sequence.live > threshold  # as in _evict: only these sequences evict now, as they would alone
+            self._reconstruct(kwargs.get("cache", kwargs.get("past_key_values")), tokens, new_valid & over[:, None])
+            self._evict(due, sequence.slot_valid, threshold)
             self._commit(0, 0, sequence.slot_valid)
 
     def _commit(self, real_tokens, tokens: int, layout: torch.Tensor) -> None:
@@ -261,11 +339,12 @@ class CompressionSession:
             sequence.slot_valid = layout
         self._pending_layout = None
 
-    def _reconstruct(self, cache: DynamicCache, tokens: torch.Tensor | None, new_valid: torch.Tensor) -> None:
+    def _reconstruct(self, cache: DynamicCache, tokens: torch.Tensor | None, selected: torch.Tensor) -> None:
         """Run the scorer's context-reconstruction passes (KVzip) over the full cache of this prompt.
 
         Each pass is a forward of the decoder on top of the cache, at the positions that would follow the
-        prompt; each sequence of a batch reconstructs its own real tokens (left-padded to the longest). The
+        prompt; each sequence of a batch reconstructs its own ``selected`` tokens (left-padded to the longest;
+        none for a sequence that fits its budget, which evicts nothing now, as it would alone). The
         compressed layers drop the pass's slots right after their attention (``_after_attention``), so each
         pass sees only the prompt and at most one layer at a time holds the extra chunk; sliding-window layers,
         which would push prompt tokens out of their window, are restored afterwards.
@@ -276,7 +355,7 @@ class CompressionSession:
                 "pass input_ids, not inputs_embeds"
             )
         started = time.perf_counter()
-        context = [row[valid].tolist() for row, valid in zip(tokens, new_valid.to(tokens.device))]
+        context = [row[valid].tolist() for row, valid in zip(tokens, selected.to(tokens.device))]
         sliding = {index: _layer_snapshot(cache.layers[index]) for index in self.layout.sliding_layers
                    if index < len(cache.layers)}
         self._replaying = True
@@ -451,6 +530,8 @@ class CompressionSession:
 
     def _eviction_threshold(self, length: int) -> float:
         params = self.parameters
+        if not self._evicting:
+            return float("inf")
         if length > 1:
             return params.max_cache_size
         if not params.compress_during_decoding:

@@ -4,23 +4,25 @@ import itertools
 
 import pytest
 
-from tiny_models import random_tokens, tiny_model
-from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
+from kvcompress import KVCacheCompressor
+from kvcompress.scoring.registry import SCORERS
 
-COMBINATIONS = list(itertools.product(["h2o", "snapkv"], ["per_token", "per_group"], [None, "kvcrush", "criticalkv"],
+# Read from the registry when this module is imported: a scorer registered before (a plugin, another test
+# module) joins the matrix without an edit here.
+COMBINATIONS = list(itertools.product(list(SCORERS), ["per_token", "per_group"], [None, "kvcrush", "criticalkv"],
                                       [False, True]))
 
 
 @pytest.mark.parametrize("algorithm, strategy, refined, rerotate", COMBINATIONS)
 def test_generate_with_bounded_cache(algorithm, strategy, refined, rerotate):
-    params = KVCacheCompressionParameters(
-        algorithm=algorithm, strategy=strategy, group_size=4, start_size=4, intermediate_size=16, recent_size=8,
-        window_size=8 if algorithm == "snapkv" else None, refined_algorithm=refined,
-        refined_size=8 if refined else 0, rerotate_keys=rerotate,
+    params = scorer_parameters(
+        algorithm, strategy=strategy, group_size=4, start_size=4, intermediate_size=16, recent_size=8,
+        refined_algorithm=refined, refined_size=8 if refined else 0, rerotate_keys=rerotate,
     )
     model = tiny_model("llama")
     slack = params.decode_slack if strategy == "per_token" else 1
-    with KVCacheCompressor(params)(model) as session:
+    with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session:
         out = model.generate(random_tokens(80, batch=2), max_new_tokens=25, min_new_tokens=25, do_sample=False,
                              return_dict_in_generate=True)
     assert out.sequences.shape == (2, 105)

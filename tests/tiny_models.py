@@ -40,3 +40,21 @@ def tiny_model(arch: str = "llama", attn_implementation: str = "sdpa", seed: int
 def random_tokens(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, _COMMON["vocab_size"], (batch, length), generator=generator)
+
+
+class TinyTokenizer:
+    """Characters to ids of the tiny vocabulary, no chat template: enough for methods that build prompts (KVzip)."""
+
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [3 + ord(character) % (_COMMON["vocab_size"] - 3) for character in text]
+
+
+def scorer_parameters(algorithm: str, **sizes) -> "KVCacheCompressionParameters":
+    """Parameters for ``algorithm`` with a window only where the method observes one."""
+    from kvcompress import KVCacheCompressionParameters
+    from kvcompress.scoring.registry import scorer_class
+
+    window = 8 if scorer_class(algorithm).uses_window else None
+    return KVCacheCompressionParameters(algorithm=algorithm, window_size=window, **sizes)

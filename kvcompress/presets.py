@@ -1,0 +1,72 @@
+"""Method presets: a method name and a budget give the parameters, the same for the user, the LongBench and
+RULER runners and the benchmarks.
+
+A method is a registered scorer (``snapkv``, ``h2o``, ``kvzip``, ``expected_attention``, ``tova``, ``keydiff``,
+``knorm`` and any registered later), ``streaming_llm`` (4 attention sinks and the most recent tokens, nothing
+scored) or ``none`` (the full cache). A budget is a number of slots per layer, or a fraction in (0, 1) of a
+prompt's tokens (``budget_slots`` resolves it per prompt). Scored methods split the budget as
+``KVCacheCompressionParameters.from_budget`` does (start = min(32, budget / 8), recent = min(64, budget / 4),
+the rest scored); any parameter can be overridden.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .parameters import KVCacheCompressionParameters
+from .scoring.registry import SCORERS, scorer_class
+
+__all__ = ["NONE", "STREAMING_LLM", "STREAMING_LLM_SINKS", "budget_slots", "method_names", "preset"]
+
+NONE = "none"
+STREAMING_LLM = "streaming_llm"
+STREAMING_LLM_SINKS = 4  # StreamingLLM's attention sinks (KVCache-Factory: window = budget - 4)
+
+
+def method_names() -> list[str]:
+    """Every method a preset can name, the registered scorers included."""
+    return [NONE, STREAMING_LLM, *SCORERS]
+
+
+def budget_slots(budget: int | float, prompt_tokens: int) -> int:
+    """Slots per layer for one prompt: an integer budget as is, a fraction of the prompt's tokens rounded."""
+    check_budget(budget)
+    if isinstance(budget, float):
+        return max(1, round(budget * prompt_tokens))
+    return budget
+
+
+def check_budget(budget: Any) -> None:
+    valid = (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1) or (
+        isinstance(budget, float) and 0.0 < budget < 1.0
+    )
+    if not valid:
+        raise ValueError(
+            f"budget must be a number of slots (an integer >= 1) or a fraction of the prompt in (0, 1), got {budget!r}"
+        )
+
+
+def preset(method: str, budget: int, **overrides: Any) -> KVCacheCompressionParameters | None:
+    """The parameters of ``method`` at ``budget`` slots per layer (None for ``none``, the full cache)."""
+    if method == NONE:
+        return None
+    check_budget(budget)
+    if not isinstance(budget, int):
+        raise ValueError(f"preset() takes a budget in slots; resolve a fraction with budget_slots() first, got {budget}")
+    if method == STREAMING_LLM:
+        for fixed in ("intermediate_size", "recent_size", "algorithm"):
+            if fixed in overrides:
+                raise ValueError(f"{fixed}: streaming_llm keeps start + recent = budget; set start_size only")
+        start = overrides.pop("start_size", STREAMING_LLM_SINKS)
+        if budget <= start:
+            raise ValueError(f"budget: streaming_llm needs a budget above start_size ({start}), got {budget}")
+        return KVCacheCompressionParameters.from_budget(budget, start_size=start, recent_size=budget - start,
+                                                        **overrides)
+    if method not in SCORERS:
+        raise ValueError(f"method must be one of {', '.join(map(repr, method_names()))}, got {method!r}")
+    if overrides.get("algorithm", method) != method:
+        raise ValueError(f"algorithm: {overrides['algorithm']!r} contradicts method {method!r}")
+    overrides.pop("algorithm", None)
+    if scorer_class(method).uses_window:
+        overrides.setdefault("window_size", None)  # the parameters' default window
+    return KVCacheCompressionParameters.from_budget(budget, algorithm=method, **overrides)
