@@ -8,6 +8,9 @@ is the most attention it receives from any reconstruction query of any query hea
 model must look at to reproduce the text, such as each digit of a number, scores high even if no question has
 asked for it yet. The reconstruction tokens are dropped from the cache layer by layer, so every pass sees only
 the prompt, and the prompt is then evicted on these scores (query-agnostic: the same for any later question).
+A prompt that opens with the chat template's header (system prompt, start of the user turn) is reconstructed
+from after it, as kvpress does: a repetition that begins with template tokens is not text the model copies
+well. The header's slots keep score 0 (kvpress evicts them first); the start area keeps its first tokens.
 
 Scores use the exact softmax of the reconstruction forward over every cached slot (kvpress approximates it over
 4 sinks + the chunk's own slots); the scores lie in [0, 1]. Decoded tokens, and prompt tokens again, are then
@@ -41,6 +44,7 @@ class KVzip(Scorer):
         self.first_request: list[int] | None = None
         self.next_request: list[int] | None = None
         self.turn_change: list[int] | None = None
+        self.header: list[int] = []
 
     def bind(self, model, tokenizer) -> None:
         if tokenizer is None:
@@ -54,7 +58,9 @@ class KVzip(Scorer):
 
         self.first_request = encode(FIRST_REQUEST)
         self.next_request = encode(NEXT_REQUEST)
-        self.turn_change = encode(turn_change(tokenizer))
+        header, change = template_around_user_message(tokenizer)
+        self.turn_change = encode(change)
+        self.header = encode(header)
 
     def observed_queries(self, new_valid: torch.Tensor, replay: bool) -> torch.Tensor | None:
         # A prompt's own queries are not observed: its slots are scored by the reconstruction that follows it.
@@ -72,6 +78,8 @@ class KVzip(Scorer):
         """The reconstruction passes for a batch: per pass, one token list per sequence (empty once a sequence's
         context is used up). ``context`` holds each sequence's real tokens of the prompt, in order."""
         size = self.settings["chunk_size"]
+        context = [tokens[len(self.header):] if self.header and tokens[: len(self.header)] == self.header else tokens
+                   for tokens in context]
         passes = max((len(tokens) + size - 1) // size for tokens in context)
         inputs = []
         for number in range(passes):
@@ -89,13 +97,14 @@ class KVzip(Scorer):
         return inputs
 
 
-def turn_change(tokenizer) -> str:
-    """The text the chat template puts between a user message and the assistant's reply: the reconstruction
-    request is a user turn and the repetition the assistant's answer. ``"\\n"`` without a chat template."""
+def template_around_user_message(tokenizer) -> tuple[str, str]:
+    """What the chat template puts before a user message (its header: system prompt, start of the user turn)
+    and between the message and the assistant's reply: the reconstruction request is a user turn, the repetition
+    the assistant's answer. ``("", "\\n")`` without a chat template."""
     if not getattr(tokenizer, "chat_template", None):
-        return PLAIN_TURN_CHANGE
+        return "", PLAIN_TURN_CHANGE
     marker = "KVZIP-CONTEXT-END"
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False, enable_thinking=False
     )
-    return text[text.index(marker) + len(marker) :]
+    return text[: text.index(marker)], text[text.index(marker) + len(marker) :]
