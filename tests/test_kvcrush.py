@@ -1,5 +1,7 @@
 """kvcrush_select (reference §6): a hand-computed example, the documented rules, and a slow per-row reference."""
 
+from fractions import Fraction
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -156,8 +158,8 @@ def slow_reference(scores: list[list[float]], candidates: list[bool], k: int, an
         anchor_bits = [1] * heads
     elif anchor == "alternate":
         anchor_bits = [h % 2 for h in range(heads)]
-    elif anchor == "mean":
-        anchor_bits = [sum(signature[u][h] for u in pool) / max(n, 1) for h in range(heads)]
+    elif anchor == "mean":  # exact fractions: equal distances must tie, as they do in the integer implementation
+        anchor_bits = [Fraction(sum(signature[u][h] for u in pool), max(n, 1)) for h in range(heads)]
     else:
         anchor_bits = torch.randint(0, 2, (heads,), generator=torch.Generator().manual_seed(seed)).tolist()
     order = sorted(pool, key=lambda u: (sum(abs(a - b) for a, b in zip(signature[u], anchor_bits)), u))

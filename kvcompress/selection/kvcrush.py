@@ -87,9 +87,13 @@ def kvcrush_select(
     batch, heads, units = head_scores.shape
     signatures = head_signatures(head_scores, candidates)
     anchor_bits = kvcrush_anchor_bits(anchor, signatures, candidates, seed)
-    distance = (signatures.float() - anchor_bits[:, :, None]).abs().sum(dim=1)
-    # Non-candidates get distance H + 1 so the stable ascending sort puts them after every candidate.
-    order = torch.sort(torch.where(candidates, distance, heads + 1.0), dim=-1, stable=True).indices
+    if anchor == "mean":  # n·|s − mean| = |n·s − Σs| in integers: equal distances tie exactly, not up to rounding
+        counts = signatures.sum(dim=-1, keepdim=True)
+        distance = (signatures.long() * candidates.sum(dim=-1)[:, None, None] - counts).abs().sum(dim=1).float()
+    else:
+        distance = (signatures.float() - anchor_bits[:, :, None]).abs().sum(dim=1)
+    # Non-candidates get a distance above every candidate's so the stable ascending sort puts them last.
+    order = torch.sort(torch.where(candidates, distance, float("inf")), dim=-1, stable=True).indices
     slot = torch.arange(units, device=head_scores.device).expand(batch, units)
     wanted = slot < num_select[:, None]
     position = torch.where(wanted, slot * candidates.sum(dim=-1, keepdim=True) // num_select.clamp(min=1)[:, None], 0)
