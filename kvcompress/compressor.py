@@ -31,7 +31,7 @@ from .rerotation import check_rerotation_supported, rotate_keys
 from .scoring.attention import observation_counts
 from .scoring.base import AttentionCall
 from .scoring.value_norm import projected_value_l1
-from .selection.windows import left_aligned_indices, select_keep_mask
+from .selection.windows import global_scored_units, left_aligned_indices, select_keep_mask
 from .state import LayerState, SequenceState
 
 _ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -84,7 +84,9 @@ class CompressionSession:
         self.layers: dict[int, LayerState] = {}
         self.timings: dict[str, float] = defaultdict(float)
         self._handles: list[Any] = []
-        self._pending_layout: torch.Tensor | None = None
+        # (B, T) the slot layout every compressed layer shares, or None once their budgets (and lengths) differ
+        self._shared_layout: torch.Tensor | None = None
+        self._forward_layout: tuple[torch.Tensor, bool] | None = None  # shared layout + this forward's, all live
         self._scored: dict[int, torch.Tensor | None] = {}
         # evictions run when the forward ends: a decode step's (all layers at once), a reconstructed prompt's
         self._due: list[tuple[nn.Module, Any, LayerState]] = []
@@ -92,7 +94,7 @@ class CompressionSession:
         self._replaying = False  # inside a context-reconstruction pass (KVzip): nothing joins the sequence
         self._forward_tokens: torch.Tensor | None = None  # the current forward's ids, for reconstruction
         self._restore_attention = None
-        self._observation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # see _observe
+        self._observation: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # see _observe
         self._context: tuple[DynamicCache, tuple] | None = None  # a prefilled context and its snapshot
         self._evicting = True  # False while generate() answers after a prefilled context
 
@@ -155,7 +157,7 @@ class CompressionSession:
         self._scored.clear()
         self._due.clear()
         self._reconstruct_due = self._replaying = False
-        self._pending_layout = self._forward_tokens = self._context = None
+        self._shared_layout = self._forward_layout = self._forward_tokens = self._context = None
         _ACTIVE_MODELS.discard(self.model)
 
     # ------------------------------------------------------------------ compress a context once, ask after
@@ -224,10 +226,10 @@ class CompressionSession:
         """What ``_restore`` needs: cache updates replace the layers' tensors (never write into them), the
         session's per-sequence facts are replaced too, only the layer states grow in place."""
         return ([_layer_snapshot(layer) for layer in cache.layers], dataclasses.replace(self.sequence),
-                copy.deepcopy(self.layers))
+                copy.deepcopy(self.layers), self._shared_layout)
 
     def _restore(self, cache: DynamicCache, snapshot: tuple) -> None:
-        layers, sequence, states = snapshot
+        layers, sequence, states, self._shared_layout = snapshot
         for layer, saved in zip(cache.layers, layers):
             layer.__dict__.update(saved)
         self.sequence = dataclasses.replace(sequence)
@@ -266,7 +268,7 @@ class CompressionSession:
         device = tokens.device
         if physical == 0:
             self._start_sequence(cache, batch, device)
-        self._check_in_sync(cache, batch, physical)
+        self._check_in_sync(cache, batch)
         sequence = self.sequence
 
         mask = kwargs.get("attention_mask")
@@ -276,32 +278,34 @@ class CompressionSession:
         given = kwargs.get("position_ids")
         if given is not None and sequence.total != physical:
             self._check_true_positions(given.expand(batch, -1), true_positions, new_valid)
-        if self.parameters.rerotate_keys:
-            positions = (sequence.live[:, None] + offsets).clamp(min=0)
+        if self.parameters.rerotate_keys:  # every layer keeps the same slots' count: one compact position each
+            positions = (self._shared_layout.sum(-1)[:, None] + offsets).clamp(min=0)
             kwargs["position_ids"] = positions
         elif given is None:
             positions = true_positions
             kwargs["position_ids"] = positions
         else:
             positions = given.expand(batch, -1)
-        layout = torch.cat([sequence.slot_valid, new_valid], dim=-1)
-        sequence.forward_all_live = bool(layout.all())
-        if sequence.forward_all_live:
+        self._forward_layout = None
+        compact = None  # layers of different lengths: the session's attention function masks each (_layer_layout)
+        if self._shared_layout is not None:  # one 2-D mask in the physical layout serves every layer
+            layout = torch.cat([self._shared_layout, new_valid], dim=-1)
+            self._forward_layout = layout, bool(layout.all())
+            compact = layout.to(mask.dtype if mask is not None else torch.long)
+        if self._forward_layout is not None and self._forward_layout[1]:
             kwargs["attention_mask"] = None
         elif self.layout.sliding_layers:
-            kwargs["attention_mask"] = _per_layer_type_masks(module, tokens, mask, layout, cache, positions)
+            kwargs["attention_mask"] = _per_layer_type_masks(module, tokens, mask, compact, cache, positions)
         else:
-            kwargs["attention_mask"] = layout.to(mask.dtype if mask is not None else torch.long)
+            kwargs["attention_mask"] = compact
         sequence.forward_valid = new_valid
-        sequence.forward_layout = layout
         sequence.forward_positions = positions.to(torch.long)
         sequence.forward_true_positions = true_positions
         if not self._replaying:
-            self._pending_layout = None
             self._due.clear()  # left over only if an earlier forward failed half-way
             self._reconstruct_due = False
         self._scored.clear()
-        self._observation = None
+        self._observation.clear()
         return args, kwargs
 
     def _after_decoder(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -310,34 +314,32 @@ class CompressionSession:
             return
         new_valid = sequence.forward_valid
         sequence.forward_valid = sequence.forward_positions = sequence.forward_true_positions = None
+        self._forward_layout = None
         if self._replaying:  # a reconstruction pass: its tokens were dropped layer by layer
-            sequence.forward_layout = None
             return
         due, self._due = self._due, []
         reconstruct, self._reconstruct_due = self._reconstruct_due, False
-        if due and not reconstruct:  # a decode step's evictions
-            self._evict(due, sequence.forward_layout, self._eviction_threshold(1))
-        self._commit(new_valid.sum(-1), new_valid.shape[-1], sequence.forward_layout)
-        sequence.forward_layout = None
+        sequence.seen = sequence.seen + new_valid.sum(-1)
+        sequence.total += new_valid.shape[-1]
+        self._share_layout()  # the forward's tokens joined every layer (and the prefill evicted some)
         if reconstruct:
-            tokens, self._forward_tokens = self._forward_tokens, None
-            threshold = self._eviction_threshold(new_valid.shape[-1])
-            over = sequence.live > threshold  # as in _evict: only these sequences evict now, as they would alone
-            self._reconstruct(kwargs.get("cache", kwargs.get("past_key_values")), tokens, new_valid & over[:, None])
-            self._evict(due, sequence.slot_valid, threshold)
-            self._commit(0, 0, sequence.slot_valid)
+            # as in _evict: only the sequences over budget evict now (and are reconstructed), as they would alone
+            state = due[0][2]
+            over = state.live > self._layer_budget(state) + self._eviction_slack(new_valid.shape[-1])
+            self._reconstruct(kwargs.get("cache", kwargs.get("past_key_values")), self._forward_tokens,
+                              new_valid & over[:, None])
+        self._forward_tokens = None
+        if due:  # a decode step's evictions, or a prompt's whose layers share one budget or were reconstructed
+            self._evict(due, self._eviction_slack(new_valid.shape[-1]),
+                        allocate=new_valid.shape[-1] > 1 and self.parameters.budget_allocation == "global")
+        self._share_layout()
 
-    def _commit(self, real_tokens, tokens: int, layout: torch.Tensor) -> None:
-        """The forward's tokens join the sequence; the slot layout is the evicted one if an eviction ran."""
-        sequence = self.sequence
-        sequence.seen = sequence.seen + real_tokens
-        sequence.total += tokens
-        if self._pending_layout is not None:
-            sequence.slot_valid = self._pending_layout
-            sequence.evictions += 1
-        else:
-            sequence.slot_valid = layout
-        self._pending_layout = None
+    def _share_layout(self) -> None:
+        """The layout of every compressed layer when they all agree (the usual case), else None."""
+        layouts = [self.layers[index].slot_valid for index in self.compressed_layers if index in self.layers]
+        first = layouts[0] if layouts else None
+        same = first is not None and all(l.shape == first.shape and torch.equal(l, first) for l in layouts[1:])
+        self._shared_layout = first if same else None
 
     def _reconstruct(self, cache: DynamicCache, tokens: torch.Tensor | None, selected: torch.Tensor) -> None:
         """Run the scorer's context-reconstruction passes (KVzip) over the full cache of this prompt.
@@ -377,11 +379,8 @@ class CompressionSession:
 
     def _start_sequence(self, cache: DynamicCache, batch: int, device: torch.device) -> None:
         self.layers.clear()
-        self.sequence = SequenceState(
-            cache_id=id(cache),
-            seen=torch.zeros(batch, dtype=torch.long, device=device),
-            slot_valid=torch.zeros(batch, 0, dtype=torch.bool, device=device),
-        )
+        self.sequence = SequenceState(cache_id=id(cache), seen=torch.zeros(batch, dtype=torch.long, device=device))
+        self._shared_layout = torch.zeros(batch, 0, dtype=torch.bool, device=device)
         _guard_cache(cache, self)
 
     def _physical_length(self, cache: DynamicCache) -> int:
@@ -390,9 +389,18 @@ class CompressionSession:
             return 0
         return cache.layers[index].get_seq_length()
 
-    def _check_in_sync(self, cache: DynamicCache, batch: int, physical: int) -> None:
+    def _check_in_sync(self, cache: DynamicCache, batch: int) -> None:
         sequence = self.sequence
-        if sequence is None or sequence.cache_id != id(cache) or tuple(sequence.slot_valid.shape) != (batch, physical):
+        in_sync = sequence is not None and sequence.cache_id == id(cache)
+        for index in self.compressed_layers if in_sync else ():
+            state = self.layers.get(index)
+            layer = cache.layers[index] if index < len(cache.layers) else None
+            length = layer.keys.shape[-2] if layer is not None and getattr(layer, "keys", None) is not None else 0
+            if (state.length if state is not None else 0) != length or (
+                    state is not None and state.slot_valid.shape[0] != batch):
+                in_sync = False
+                break
+        if not in_sync:
             raise ValueError(
                 "kvcompress: this cache was filled outside the compressor or changed behind its back (cropped, "
                 "reordered, resized); start generation inside the `with compressor(model):` block with an empty "
@@ -445,36 +453,47 @@ class CompressionSession:
             return original(module, query, key, value, attention_mask, **kwargs)
         started = time.perf_counter()
         output = head_scores = None
+        state = self._layer_state(module.layer_idx, key)
+        layout, all_live = self._layer_layout(state)
         if self.parameters.intermediate_size > 0:  # else only fixed windows survive: scores are never read
             call = AttentionCall(
-                module=module, queries=query, keys=key, values=value, slot_valid=sequence.forward_layout,
+                module=module, queries=query, keys=key, values=value, slot_valid=layout,
                 observed=self._observe(key.shape[-2])[0], scaling=kwargs.get("scaling") or module.scaling,
-                softcap=kwargs.get("softcap"), all_live=sequence.forward_all_live,
+                softcap=kwargs.get("softcap"), all_live=all_live,
                 # the caller may want the original's weights (output_attentions) or its dropout
                 may_fuse=not kwargs.get("dropout") and not kwargs.get("output_attentions"),
                 positions=sequence.forward_positions, replay=self._replaying,
             )
-            head_scores, output = self.scorer.attend(call, self._layer_state(module.layer_idx, key))
+            head_scores, output = self.scorer.attend(call, state)
         self._scored[module.layer_idx] = head_scores
         self.timings["attention_and_scoring" if output is not None else "scoring"] += time.perf_counter() - started
         if output is None:
+            if self._forward_layout is None:  # this layer's own length: the decoder's mask cannot fit it
+                attention_mask = None if all_live and query.shape[2] == 1 else _additive_mask(layout, query)
             return original(module, query, key, value, attention_mask, **kwargs)
         return output, None
 
-    def _observe(self, total: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The queries the scorer observes in this forward, and for accumulated attention their counts.
+    def _layer_layout(self, state: LayerState) -> tuple[torch.Tensor, bool]:
+        """This forward's slot layout of a layer (its cached slots, then the new tokens) and whether it is all
+        live: the shared one when every layer has the same, else the layer's own."""
+        if self._forward_layout is not None:
+            return self._forward_layout
+        layout = torch.cat([state.slot_valid, self.sequence.forward_valid], dim=-1)
+        return layout, bool(layout.all())
 
-        The same for every compressed layer (they share the slot layout), so computed once per forward.
-        """
-        if self._observation is None:
+    def _observe(self, total: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The queries the scorer observes in this forward, and for accumulated attention their counts over
+        ``total`` slots; computed once per forward and layer length (every layer's, unless budgets differ)."""
+        if total not in self._observation:
             observed = self.scorer.observed_queries(self.sequence.forward_valid, self._replaying)
             counts = None
             if observed is not None and self.scorer.combine == "add":
                 counts = observation_counts(observed, total)
-            self._observation = observed, counts
-        return self._observation
+            self._observation[total] = observed, counts
+        return self._observation[total]
 
     def _layer_state(self, index: int, keys: torch.Tensor) -> LayerState:
+        """The layer's state; a layer seen for the first time in a sequence (empty cache) starts empty."""
         state = self.layers.get(index)
         if state is None:
             state = self.layers[index] = LayerState.empty(keys.shape[0], keys.shape[1], keys.device)
@@ -514,68 +533,89 @@ class CompressionSession:
                 layer.values[:, :, -length:], value_projection_weight(module), module.num_key_value_groups
             )
         counts = self._observe(total)[1] if head_scores is not None else None
-        state.append(head_scores, counts, sequence.forward_positions, sequence.forward_true_positions, value_norms,
-                     combine=self.scorer.combine)
+        state.append(head_scores, counts, sequence.forward_positions, sequence.forward_true_positions,
+                     sequence.forward_valid, value_norms, combine=self.scorer.combine)
         self.timings["scoring"] += time.perf_counter() - started
-        threshold = self._eviction_threshold(length)
-        if total > threshold:
+        slack = self._eviction_slack(length)
+        if total > float(self._layer_budget(state).min()) + slack:
+            scored_later = self.scorer.reconstructs and self.parameters.intermediate_size > 0
             if length == 1:  # a decode step: every due layer is evicted at once when the forward ends
                 self._due.append((module, layer, state))
-            elif self.scorer.reconstructs and self.parameters.intermediate_size > 0:
-                # scored by the reconstruction passes that follow the forward, then evicted with every layer
+            elif scored_later or self.parameters.budget_allocation == "global":
+                # evicted with every layer when the forward ends: after the reconstruction passes that score it
+                # (KVzip), or when all layers' scores are known for one budget shared across layers
                 self._due.append((module, layer, state))
-                self._reconstruct_due = True
+                self._reconstruct_due = self._reconstruct_due or scored_later
             else:  # a prefill evicts right away, so that at most one layer at a time holds the whole prompt
-                self._evict([(module, layer, state)], sequence.forward_layout, threshold)
+                self._evict([(module, layer, state)], slack)
 
-    def _eviction_threshold(self, length: int) -> float:
+    def _eviction_slack(self, length: int) -> float:
+        """How far past its budget a layer may grow before it evicts: 0 after a multi-token forward, the decode
+        slack (per_token) after a decode step, never while paused (``generate`` after ``prefill``)."""
         params = self.parameters
-        if not self._evicting:
+        if not self._evicting or (length == 1 and not params.compress_during_decoding):
             return float("inf")
-        if length > 1:
-            return params.max_cache_size
-        if not params.compress_during_decoding:
-            return float("inf")
-        if params.strategy == "per_token":
-            return params.max_cache_size + params.decode_slack
-        return params.max_cache_size
+        if length == 1 and params.strategy == "per_token":
+            return params.decode_slack
+        return 0
 
-    def _evict(self, layers: list[tuple[nn.Module, Any, LayerState]], slot_valid: torch.Tensor, threshold: float) -> None:
+    def _scored_units(self, state: LayerState) -> torch.Tensor:
+        """(B,) units of the layer's scored area: the parameters', or its own share of a global budget."""
+        if state.scored_units is not None:
+            return state.scored_units
+        units = self.parameters.intermediate_size // self.parameters.unit_size
+        return torch.full(state.slot_valid.shape[:1], units, dtype=torch.long, device=state.slot_valid.device)
+
+    def _layer_budget(self, state: LayerState) -> torch.Tensor:
+        """(B,) slots the layer keeps per sequence."""
+        params = self.parameters
+        return params.start_size + params.recent_size + self._scored_units(state) * params.unit_size
+
+    def _evict(self, layers: list[tuple[nn.Module, Any, LayerState]], slack: float, allocate: bool = False) -> None:
         """Compact ``layers`` (module, cache layer, state) with one selection for all of them.
 
-        Selection treats every (layer, sequence) row independently, so stacking the layers' scores as rows
-        gives each layer exactly what it would get alone, for the cost of one call instead of one per layer.
+        Selection treats every (layer, sequence) row independently, so stacking the layers' rows (their layouts
+        left-padded to the longest with dead slots) gives each layer exactly what it would get alone, for the
+        cost of one call instead of one per layer. ``allocate``: the layers first share their scored areas'
+        total by score (``budget_allocation="global"``), and each keeps its share from then on.
         """
         started = time.perf_counter()
         states = [state for _, _, state in layers]
-        value_norms = None
-        if states[0].value_norms is not None:
-            value_norms = torch.cat([state.value_norms for state in states])
-        slot_rows = slot_valid.repeat(len(layers), 1)
-        keep = select_keep_mask(
-            torch.cat([self.scorer.eviction_scores(state, layer.keys, layer.values, slot_valid)
-                       for _, layer, state in layers]),
-            slot_rows, self.parameters, value_norms,
-        )
+        width = max(state.length for state in states)
+
+        def rows(tensors: list[torch.Tensor], fill) -> torch.Tensor:  # left-pad the slot axis to ``width``
+            return torch.cat([torch.nn.functional.pad(t, (width - t.shape[-1], 0), value=fill) for t in tensors])
+
+        slot_rows = rows([state.slot_valid for state in states], False)
+        scores = rows([self.scorer.eviction_scores(state, layer.keys, layer.values, state.slot_valid)
+                       for _, layer, state in layers], 0.0)
+        value_norms = rows([state.value_norms for state in states], 0.0) if states[0].value_norms is not None else None
+        batch = slot_rows.shape[0] // len(layers)
+        budgets = torch.cat([self._layer_budget(state) for state in states])
+        if allocate:  # only the sequences that evict now take their share, as each would alone
+            evicting = slot_rows.sum(-1) > budgets + slack
+            units = torch.where(evicting, global_scored_units(scores, slot_rows, self.parameters, len(layers)),
+                                torch.cat([self._scored_units(state) for state in states]))
+            for number, state in enumerate(states):
+                state.scored_units = units[number * batch : (number + 1) * batch]
+            budgets = torch.cat([self._layer_budget(state) for state in states])
+        keep = select_keep_mask(scores, slot_rows, self.parameters, value_norms,
+                                torch.cat([self._scored_units(state) for state in states]))
         # Each sequence evicts on its own schedule (as it would alone); padding only makes the batch wider.
-        keep = torch.where((slot_rows.sum(-1) > threshold)[:, None], keep, slot_rows)
-        indices, valid_rows = left_aligned_indices(keep)
+        keep = torch.where((slot_rows.sum(-1) > budgets + slack)[:, None], keep, slot_rows)
         self.timings["selection"] += time.perf_counter() - started
         started = time.perf_counter()
-        batch = slot_valid.shape[0]
         for number, (module, layer, state) in enumerate(layers):
-            index, valid = indices[number * batch : (number + 1) * batch], valid_rows[number * batch : (number + 1) * batch]
+            index, valid = left_aligned_indices(keep[number * batch : (number + 1) * batch, width - state.length :])
             compact_layer(layer, index)
             state.gather(index)
+            state.slot_valid = valid  # filler slots (a row that keeps fewer than the widest) are dead
             if self.parameters.rerotate_keys:
                 compact = (valid.long().cumsum(-1) - 1).clamp(min=0)
                 delta = torch.where(valid, compact - state.rope_positions, 0)
                 layer.keys = rotate_keys(module, layer.keys, delta, self.layout.rotary_emb.inv_freq)
                 state.rope_positions = torch.where(valid, compact, state.rope_positions)
-            if self._pending_layout is None:
-                self._pending_layout = valid
-            elif not torch.equal(self._pending_layout, valid):
-                raise RuntimeError("kvcompress: layers disagree on the kept slot layout (internal error)")
+        self.sequence.evictions += 1
         self.timings["compaction"] += time.perf_counter() - started
 
     # ------------------------------------------------------------------ cache guards
@@ -585,7 +625,8 @@ class CompressionSession:
         if sequence is None:
             return
         sequence.seen = sequence.seen.index_select(0, beam_idx.to(sequence.seen.device))
-        sequence.slot_valid = sequence.slot_valid.index_select(0, beam_idx.to(sequence.seen.device))
+        if self._shared_layout is not None:
+            self._shared_layout = self._shared_layout.index_select(0, beam_idx.to(sequence.seen.device))
         for state in self.layers.values():
             state.reorder(beam_idx)
 
@@ -601,9 +642,21 @@ def _per_layer_type_masks(decoder, tokens, true_mask, compact_mask, cache, posit
     shape_only = torch.empty(*tokens.shape[:2], 0, dtype=decoder.embed_tokens.weight.dtype, device=tokens.device)
     common = dict(config=decoder.config, inputs_embeds=shape_only, cache=cache, position_ids=positions)
     return {
-        "full_attention": create_causal_mask(attention_mask=compact_mask, **common),
+        # None: compressed layers of different lengths, each masked by the session's attention function
+        "full_attention": create_causal_mask(attention_mask=compact_mask, **common) if compact_mask is not None else None,
         "sliding_attention": create_sliding_window_causal_mask(attention_mask=true_mask, **common),
     }
+
+
+def _additive_mask(layout: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """(B, 1, q, T) additive mask of one layer: a query sees the live slots up to its own (causal); a padding
+    query that would see nothing sees everything instead (finite output, never read)."""
+    length, total = queries.shape[2], layout.shape[-1]
+    rows = torch.arange(total - length, total, device=layout.device)
+    allowed = (torch.arange(total, device=layout.device)[None, :] <= rows[:, None]) & layout[:, None, :]
+    allowed |= ~allowed.any(-1, keepdim=True)
+    mask = torch.zeros(allowed.shape, dtype=queries.dtype, device=queries.device)
+    return mask.masked_fill_(~allowed, torch.finfo(queries.dtype).min).unsqueeze(1)
 
 
 def _layer_snapshot(layer) -> dict[str, Any]:

@@ -29,6 +29,7 @@ STRATEGIES = ("per_token", "per_group")
 AGGREGATIONS = ("sum", "norm_sum")
 REFINED_ALGORITHMS = ("kvcrush", "criticalkv")
 KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternate")
+BUDGET_ALLOCATIONS = ("uniform", "global")
 DEFAULT_SNAPKV_WINDOW = 8
 
 
@@ -63,6 +64,7 @@ class KVCacheCompressionParameters:
     criticalkv_first_stage_ratio: float = 0.5
     criticalkv_epsilon: float = 1e-4
     rerotate_keys: bool = False
+    budget_allocation: str = "uniform"
     scorer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +154,21 @@ class KVCacheCompressionParameters:
             raise ValueError("refined_size needs a refined_algorithm ('kvcrush' or 'criticalkv'); got None")
         if self.kvcrush_anchor not in KVCRUSH_ANCHORS:
             raise ValueError(f"kvcrush_anchor must be one of {_allowed(KVCRUSH_ANCHORS)}, got {self.kvcrush_anchor!r}")
+        if self.budget_allocation not in BUDGET_ALLOCATIONS:
+            raise ValueError(
+                f"budget_allocation must be one of {_allowed(BUDGET_ALLOCATIONS)}, got {self.budget_allocation!r}"
+            )
+        if self.budget_allocation == "global":
+            if self.rerotate_keys:
+                raise ValueError(
+                    "budget_allocation='global' gives layers different lengths, which rerotate_keys=True cannot "
+                    "serve (one set of compact positions for every layer); use budget_allocation='uniform'"
+                )
+            if self.refined_algorithm is not None:
+                raise ValueError(
+                    "budget_allocation='global' is not combined with a refined_algorithm (KVCrush and CriticalKV "
+                    "refine one layer's uniform budget); use budget_allocation='uniform'"
+                )
         if not 0.0 <= self.criticalkv_first_stage_ratio <= 1.0:
             raise ValueError(
                 f"criticalkv_first_stage_ratio must be in [0, 1], got {self.criticalkv_first_stage_ratio}"
@@ -238,4 +255,4 @@ _INT_FIELDS = {
 }
 _BOOL_FIELDS = {"compress_during_decoding", "rerotate_keys"}
 _FLOAT_FIELDS = {"criticalkv_first_stage_ratio", "criticalkv_epsilon"}
-_STR_FIELDS = {"strategy", "score_aggregation", "refined_algorithm", "kvcrush_anchor"}
+_STR_FIELDS = {"budget_allocation", "strategy", "score_aggregation", "refined_algorithm", "kvcrush_anchor"}

@@ -6,7 +6,8 @@ A method is a registered scorer (``snapkv``, ``h2o``, ``kvzip``, ``expected_atte
 scored) or ``none`` (the full cache). A budget is a number of slots per layer, or a fraction in (0, 1) of a
 prompt's tokens (``budget_slots`` resolves it per prompt). Scored methods split the budget as
 ``KVCacheCompressionParameters.from_budget`` does (start = min(32, budget / 8), recent = min(64, budget / 4),
-the rest scored); any parameter can be overridden.
+the rest scored) and allocate it as the method's own reference does (``Scorer.allocation``: KVzip lets the layers
+share one budget by score); any parameter can be overridden.
 """
 
 from __future__ import annotations
@@ -67,6 +68,6 @@ def preset(method: str, budget: int, **overrides: Any) -> KVCacheCompressionPara
     if overrides.get("algorithm", method) != method:
         raise ValueError(f"algorithm: {overrides['algorithm']!r} contradicts method {method!r}")
     overrides.pop("algorithm", None)
-    if scorer_class(method).uses_window:
-        overrides.setdefault("window_size", None)  # the parameters' default window
+    scorer = scorer_class(method)
+    overrides.setdefault("budget_allocation", scorer.allocation)
     return KVCacheCompressionParameters.from_budget(budget, algorithm=method, **overrides)

@@ -1,12 +1,13 @@
 """What the compressor remembers per sequence (shared by all layers) and per compressed layer.
 
-Every tensor here is indexed by physical cache slot, so one gather with the kept indices compacts the cache and
-its bookkeeping together.
+Every per-slot tensor of a layer is indexed by physical cache slot, so one gather with the kept indices compacts
+the cache and its bookkeeping together.
 
-The slot layout is the same in every compressed layer: all layers keep the same number of slots per sequence,
-and slots that hold no live token of a sequence (left padding, or filler when a sequence keeps fewer tokens than
-the widest one in the batch) sit at the left, exactly like left padding. So one 2-D attention mask describes
-every compressed layer, and transformers' own mask code stays correct after eviction.
+Each compressed layer owns its slot layout (``LayerState.slot_valid``): slots that hold no live token of a
+sequence (left padding, or filler when a sequence keeps fewer tokens than the widest one in the batch) sit at the
+left, exactly like left padding. With the same budget in every layer all layers share one layout, so one 2-D
+attention mask describes them and transformers' own mask code stays correct after eviction; layers with budgets
+of their own (``budget_allocation="global"``) each get their own mask from the session's attention function.
 """
 
 from __future__ import annotations
@@ -24,18 +25,11 @@ class SequenceState:
 
     cache_id: int  # id() of the transformers cache these facts describe
     seen: torch.Tensor  # (B,) int64: real tokens processed so far (the next true position)
-    slot_valid: torch.Tensor  # (B, T) bool: the slot holds a live token of the sequence
     forward_valid: torch.Tensor | None = None  # (B, q) bool: which tokens of the current forward are real
     forward_positions: torch.Tensor | None = None  # (B, q) int64: RoPE positions the current forward uses
     forward_true_positions: torch.Tensor | None = None  # (B, q) int64: their positions in the full sequence
-    forward_layout: torch.Tensor | None = None  # (B, T + q) bool: slot_valid then forward_valid, built once a forward
-    forward_all_live: bool = False  # forward_layout has no dead slot (no padding): scoring can skip its masks
     total: int = 0  # slots ever appended, padding included (the length of generate's 2-D mask)
     evictions: int = 0
-
-    @property
-    def live(self) -> torch.Tensor:
-        return self.slot_valid.sum(-1)
 
 
 # Spare slots reserved past the current length, so that decode steps (and the few slots per_token decode lets the
@@ -54,7 +48,11 @@ class LayerState:
     * ``counts`` (B, T) float32: how many observed queries could see the slot (the norm_sum divisor);
     * ``rope_positions`` (B, T) int64: the position the cached key is currently rotated to;
     * ``true_positions`` (B, T) int64: the slot's position in the full sequence;
+    * ``slot_valid`` (B, T) bool: the slot holds a live token of the sequence (the layer's layout);
     * ``value_norms`` (B, T) float32 or None: mean over heads of ||v W_o||_1 (CriticalKV).
+
+    ``scored_units`` (B,) int64, or None for the parameters' ``intermediate_size``, is the layer's own scored
+    area per sequence in eviction units, set when layers compete for one budget (``budget_allocation="global"``).
 
     ``append`` combines a forward's scores in place (the spare slots are kept at zero), so a decode step neither
     reallocates nor copies the state; assigning an attribute replaces its buffer. ``statistics`` holds what a
@@ -62,14 +60,16 @@ class LayerState:
     mean and covariance): eviction leaves it alone, beam search reorders it.
     """
 
-    _FIELDS = ("head_scores", "counts", "rope_positions", "true_positions", "value_norms")
+    _FIELDS = ("head_scores", "counts", "rope_positions", "true_positions", "slot_valid", "value_norms")
 
-    def __init__(self, head_scores, counts, rope_positions, true_positions, value_norms=None):
+    def __init__(self, head_scores, counts, rope_positions, true_positions, slot_valid, value_norms=None):
         self._length = counts.shape[-1]
         self._capacity = self._capacity_for(self._length)
         self._buffers: dict[str, torch.Tensor | None] = {}
         self.statistics: dict[str, torch.Tensor] = {}
-        for name, tensor in zip(self._FIELDS, (head_scores, counts, rope_positions, true_positions, value_norms)):
+        self.scored_units: torch.Tensor | None = None
+        for name, tensor in zip(self._FIELDS, (head_scores, counts, rope_positions, true_positions, slot_valid,
+                                               value_norms)):
             setattr(self, name, tensor)
 
     @property
@@ -79,6 +79,11 @@ class LayerState:
     @property
     def capacity(self) -> int:
         return self._capacity
+
+    @property
+    def live(self) -> torch.Tensor:
+        """(B,) int64: live slots per sequence."""
+        return self.slot_valid.sum(-1)
 
     def __repr__(self) -> str:
         return f"LayerState(length={self._length}, capacity={self._capacity})"
@@ -119,12 +124,13 @@ class LayerState:
 
     # ------------------------------------------------------------------ the protocol the compressor uses
     def append(
-        self, step_head_scores, step_counts, rope_positions, true_positions, value_norms=None, combine: str = "add"
+        self, step_head_scores, step_counts, rope_positions, true_positions, new_valid, value_norms=None,
+        combine: str = "add",
     ) -> None:
         """Add one forward's observations: old slots combine with them, new slots are appended.
 
         ``step_head_scores`` (B, H_kv, T') and ``step_counts`` (B, T') cover the old slots and the new ones
-        (T' = length + q); positions and value norms (B, q) cover the new slots only. Scores and counts may be
+        (T' = length + q); positions, validity and value norms (B, q) cover the new slots only. Scores and counts may be
         None when nothing reads them (no scored area, or a method that scores at eviction): the new slots then
         start at zero without any work. ``combine`` is the scorer's (``add``, ``max`` or ``replace``).
         """
@@ -138,6 +144,7 @@ class LayerState:
             buffers["counts"][..., :new] += step_counts
         buffers["rope_positions"][..., old:new] = rope_positions
         buffers["true_positions"][..., old:new] = true_positions
+        buffers["slot_valid"][..., old:new] = new_valid
         if value_norms is not None:
             if buffers["value_norms"] is None:
                 buffers["value_norms"] = self._allocate_like(value_norms, self._capacity)
@@ -156,6 +163,8 @@ class LayerState:
                 setattr(self, name, tensor.index_select(0, rows.to(tensor.device)))
         for name, tensor in self.statistics.items():
             self.statistics[name] = tensor.index_select(0, rows.to(tensor.device))
+        if self.scored_units is not None:
+            self.scored_units = self.scored_units.index_select(0, rows.to(self.scored_units.device))
 
     def gather(self, keep: torch.Tensor) -> None:
         """Keep only the slots ``keep`` (B, K), in that order."""
@@ -176,6 +185,7 @@ class LayerState:
             counts=torch.zeros(batch, 0, device=device),
             rope_positions=torch.zeros(batch, 0, dtype=torch.long, device=device),
             true_positions=torch.zeros(batch, 0, dtype=torch.long, device=device),
+            slot_valid=torch.zeros(batch, 0, dtype=torch.bool, device=device),
         )
 
 

@@ -67,7 +67,7 @@ def test_pads_are_evicted_first_and_windows_count_real_tokens():
     with KVCacheCompressor(params)(model) as session, torch.no_grad():
         out = model(ids, attention_mask=mask, use_cache=True)
         assert out.past_key_values.layers[0].keys.shape[-2] == params.max_cache_size
-        layout = session.sequence.slot_valid
+        layout = session.layers[0].slot_valid
         for row, length in enumerate(LENGTHS):
             live = min(length, params.max_cache_size)
             assert layout[row].tolist() == [False] * (params.max_cache_size - live) + [True] * live

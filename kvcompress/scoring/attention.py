@@ -103,6 +103,8 @@ def observed_attention(
         first = 0
         output = values.new_empty(batch, length, kv_heads, groups, head_dim)
     base = total - length  # slot of the forward's first token
+    # float32 values, once: multiplying the float32 probabilities by them beats rounding every chunk to bf16
+    values_f32 = values.float() if values is not None else None
     padded, partial = _irregular(slot_valid, observed[:, first:], all_live)
     keys_t = keys.transpose(-1, -2)  # (B, H_kv, d, T): a view
     grouped = _scaled(queries[:, :, first:], scaling, softcap, base2=True).reshape(  # only the rows scored
@@ -137,10 +139,10 @@ def observed_attention(
             logits.mul_(inverse.unsqueeze(-1))
             inverse = torch.ones_like(inverse)
         if output is not None:
-            chunk_output = torch.matmul(logits.to(values.dtype), values[..., :visible, :])
+            chunk_output = torch.matmul(logits, values_f32[..., :visible, :])
             if not maximum:
                 chunk_output.mul_(inverse.unsqueeze(-1).to(values.dtype))
-            output[:, start:stop] = chunk_output.view(batch, kv_heads, groups, rows_in_chunk, head_dim).permute(
+            output[:, start:stop] = chunk_output.to(values.dtype).view(batch, kv_heads, groups, rows_in_chunk, head_dim).permute(
                 0, 3, 1, 2, 4
             )
         row_weights = inverse

@@ -9,6 +9,8 @@ are ever evicted.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..parameters import KVCacheCompressionParameters
@@ -22,13 +24,59 @@ def select_keep_mask(
     slot_valid: torch.Tensor,
     params: KVCacheCompressionParameters,
     value_norms: torch.Tensor | None = None,
+    scored_units: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slots to keep (B, T) bool, from per-KV-head eviction scores (B, H, T) and the live-slot mask (B, T).
 
     A sequence whose live tokens fit in the budget keeps all of them; otherwise it keeps exactly its start
-    window, ``intermediate_size`` slots (``intermediate_size / group_size`` pages) and its recent window.
-    Dead slots (padding) are never kept.
+    window, ``intermediate_size`` slots (``intermediate_size / group_size`` pages; per row ``scored_units``
+    (B,) units where rows have budgets of their own) and its recent window. Dead slots (padding) are never kept.
     """
+    units = _units(head_scores, slot_valid, params)
+    if scored_units is None:
+        scored_units = torch.full_like(units.candidates[:, 0], params.intermediate_size // params.unit_size,
+                                       dtype=torch.long)
+    chosen = _choose_units(units.scores, units.head_scores, units.candidates, params, scored_units,
+                           _unit_means(value_norms, units.in_units, units.scatter_to, units.candidates.shape[-1]))
+    kept_units = chosen.gather(-1, units.scatter_to) & units.in_units
+    return units.protected | kept_units
+
+
+def global_scored_units(
+    head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters, layers: int
+) -> torch.Tensor:
+    """Scored units per row when ``layers`` layers share one budget (rows stacked layer-major: row = l·B + b).
+
+    Per sequence, the candidates of every layer compete for ``layers × intermediate_size`` units by score
+    (KVzip's global selection); a layer gets as many units as it has among the winners, so layers whose scores
+    are high everywhere keep much and layers that attend narrowly keep little. Ties go to the earlier layer
+    and unit. Returns (L·B,) int64.
+    """
+    units = _units(head_scores, slot_valid, params)
+    batch, count = head_scores.shape[0] // layers, units.candidates.shape[-1]
+
+    def by_sequence(tensor: torch.Tensor) -> torch.Tensor:  # (L·B, U) -> (B, L·U)
+        return tensor.view(layers, batch, count).transpose(0, 1).reshape(batch, layers * count)
+
+    candidates = by_sequence(units.candidates)
+    total = torch.full((batch,), layers * (params.intermediate_size // params.unit_size), device=candidates.device)
+    winners = _top_k_mask(by_sequence(units.scores), candidates, total)
+    return winners.view(batch, layers, count).sum(-1).transpose(0, 1).reshape(-1)
+
+
+@dataclasses.dataclass
+class _Units:
+    """The eviction units of each row (B, U), and which slots (B, T) are always kept or belong to a unit."""
+
+    scores: torch.Tensor  # summed over KV heads
+    head_scores: torch.Tensor  # (B, H, U)
+    candidates: torch.Tensor  # units of the scored area
+    protected: torch.Tensor  # slots of the start and recent windows
+    in_units: torch.Tensor
+    scatter_to: torch.Tensor  # each slot's unit
+
+
+def _units(head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters) -> _Units:
     unit = params.unit_size
     start, recent_units = params.start_size, params.recent_size // unit
     batch, _, total = head_scores.shape
@@ -49,11 +97,8 @@ def select_keep_mask(
     scatter_to = torch.where(in_units, unit_of_slot, 0)
     unit_head_scores = torch.zeros(batch, head_scores.shape[1], max_units, device=head_scores.device)
     unit_head_scores.scatter_add_(-1, scatter_to.unsqueeze(1).expand_as(head_scores), head_scores * in_units[:, None])
-    unit_scores = unit_head_scores.sum(1)
-
-    chosen = _choose_units(unit_scores, unit_head_scores, candidates, params, _unit_means(value_norms, in_units, scatter_to, max_units))
-    kept_units = chosen.gather(-1, scatter_to) & in_units
-    return protected | kept_units
+    return _Units(scores=unit_head_scores.sum(1), head_scores=unit_head_scores, candidates=candidates,
+                  protected=protected, in_units=in_units, scatter_to=scatter_to)
 
 
 def _unit_means(values, in_units, scatter_to, max_units):
@@ -64,15 +109,17 @@ def _unit_means(values, in_units, scatter_to, max_units):
     return sums / sizes.clamp(min=1.0)
 
 
-def _choose_units(unit_scores, unit_head_scores, candidates, params, unit_value_norms) -> torch.Tensor:
-    """Coarse top-k by score, then the refined selector among what the coarse step left out."""
-    budget_units = params.intermediate_size // params.unit_size
+def _choose_units(unit_scores, unit_head_scores, candidates, params, budget_units, unit_value_norms) -> torch.Tensor:
+    """Coarse top-k by score, then the refined selector among what the coarse step left out.
+
+    ``budget_units`` (B,) is each row's scored area; refined selection works on the parameters' uniform one.
+    """
     if params.refined_algorithm is None:
         refined = torch.zeros(unit_scores.shape[0], dtype=torch.long, device=unit_scores.device)
     elif params.refined_size:
         refined = torch.full_like(candidates[:, 0], params.refined_size // params.unit_size, dtype=torch.long)
     else:
-        refined = adaptive_refined_count(unit_scores, candidates, budget_units)
+        refined = adaptive_refined_count(unit_scores, candidates, params.intermediate_size // params.unit_size)
     coarse = _top_k_mask(unit_scores, candidates, budget_units - refined)
     if params.refined_algorithm is not None:
         remaining = candidates & ~coarse
