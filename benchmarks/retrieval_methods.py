@@ -11,32 +11,29 @@ from collections.abc import Callable
 from functools import partial
 
 from kvcompress import KVCacheCompressionParameters
+from kvcompress.presets import STREAMING_LLM, preset
 
 MakeParameters = Callable[[int], KVCacheCompressionParameters]
 
 
 def start_recent(budget: int) -> KVCacheCompressionParameters:
-    """StreamingLLM-like floor: the scored methods' start area, everything else recent, nothing chosen by score."""
-    start = KVCacheCompressionParameters.from_budget(budget).start_size
-    return KVCacheCompressionParameters.from_budget(budget, start_size=start, recent_size=budget - start)
+    """StreamingLLM-like floor with the scored methods' start area (not 4 sinks): everything else recent, so
+    the comparison isolates what the middle keeps."""
+    return preset(STREAMING_LLM, budget, start_size=preset("snapkv", budget).start_size)
 
 
 def refined(budget: int, algorithm: str, refined_algorithm: str) -> KVCacheCompressionParameters:
     """A quarter of the intermediate area chosen by the refined selector, the rest by the coarse top-k."""
-    base = KVCacheCompressionParameters.from_budget(budget, algorithm=algorithm)
-    return KVCacheCompressionParameters.from_budget(
-        budget, algorithm=algorithm, refined_algorithm=refined_algorithm, refined_size=base.intermediate_size // 4
-    )
+    return preset(algorithm, budget, refined_algorithm=refined_algorithm,
+                  refined_size=preset(algorithm, budget).intermediate_size // 4)
 
 
 METHODS: dict[str, MakeParameters] = {
     "start+recent": start_recent,
-    "h2o-sum": partial(KVCacheCompressionParameters.from_budget, algorithm="h2o", score_aggregation="sum"),
-    "h2o-norm_sum": partial(KVCacheCompressionParameters.from_budget, algorithm="h2o", score_aggregation="norm_sum"),
-    "snapkv-sum": partial(KVCacheCompressionParameters.from_budget, algorithm="snapkv", score_aggregation="sum"),
-    "snapkv-norm_sum": partial(
-        KVCacheCompressionParameters.from_budget, algorithm="snapkv", score_aggregation="norm_sum"
-    ),
+    "h2o-sum": partial(preset, "h2o", score_aggregation="sum"),
+    "h2o-norm_sum": partial(preset, "h2o", score_aggregation="norm_sum"),
+    "snapkv-sum": partial(preset, "snapkv", score_aggregation="sum"),
+    "snapkv-norm_sum": partial(preset, "snapkv", score_aggregation="norm_sum"),
     "snapkv-kvcrush": partial(refined, algorithm="snapkv", refined_algorithm="kvcrush"),
     "snapkv-criticalkv": partial(refined, algorithm="snapkv", refined_algorithm="criticalkv"),
 }

@@ -61,6 +61,7 @@ from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 import kvcompress  # noqa: E402
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
 from kvcompress.cache import kv_cache_bytes, kv_cache_length  # noqa: E402
+from kvcompress.presets import STREAMING_LLM, preset  # noqa: E402
 
 GROUP_SIZE = 32
 METHODS = ("none", "snapkv", "h2o", "streaming", "snapkv-per-group", "h2o-per-group")
@@ -110,13 +111,10 @@ def budget_tokens(budget: float, length: int, method: str) -> int:
 
 
 def method_parameters(method: str, budget: int) -> KVCacheCompressionParameters | None:
-    if method == "none":
-        return None
-    if method == "streaming":  # start + recent only: nothing is scored
-        return KVCacheCompressionParameters.from_budget(budget, start_size=4, recent_size=budget - 4)
-    algorithm, _, strategy = method.partition("-")
+    """A method of ``METHODS`` (a preset name, ``-per-group`` for pages) at ``budget`` slots."""
+    name, _, strategy = method.partition("-")
     extra = {"strategy": "per_group", "group_size": GROUP_SIZE} if strategy == "per-group" else {}
-    return KVCacheCompressionParameters.from_budget(budget, algorithm=algorithm, **extra)
+    return preset(STREAMING_LLM if name == "streaming" else name, budget, **extra)
 
 
 # ---------------------------------------------------------------------------------------------------- memory

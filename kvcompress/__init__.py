@@ -1,7 +1,13 @@
-"""kvcompress: KV-cache compression (H2O, SnapKV, KVCrush, CriticalKV) for Hugging Face transformers models."""
+"""kvcompress: KV-cache compression (KVzip, SnapKV, H2O, Expected Attention, TOVA, KeyDiff, Knorm; KVCrush and
+CriticalKV refinement) for Hugging Face transformers models."""
 
-from .compressor import CompressionSession, KVCacheCompressor
+from .compressor import CompressionSession, KVCacheCompressor, compress
 from .parameters import KVCacheCompressionMode, KVCacheCompressionParameters
+from .presets import method_names, preset
+from .scoring.registry import register
 
-__all__ = ["CompressionSession", "KVCacheCompressionMode", "KVCacheCompressionParameters", "KVCacheCompressor"]
+__all__ = [
+    "CompressionSession", "KVCacheCompressionMode", "KVCacheCompressionParameters", "KVCacheCompressor", "compress",
+    "method_names", "preset", "register",
+]
 __version__ = "0.1.0"

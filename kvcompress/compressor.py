@@ -17,7 +17,7 @@ import dataclasses
 import time
 import weakref
 from collections import defaultdict
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -71,14 +71,54 @@ class KVCacheCompressor:
         return CompressionSession(model, self.parameters, self.tokenizer)
 
 
+def compress(
+    model: nn.Module, method: str = "snapkv", budget: int | float = 0.2, tokenizer: Any = None, **overrides: Any
+) -> "CompressionSession":
+    """The one-line entry point: ``with kvcompress.compress(model, method="kvzip", budget=0.2): model.generate(...)``.
+
+    ``method`` is a preset name (``kvcompress.presets.method_names()``: every registered scorer and
+    ``streaming_llm``), ``budget`` the slots each layer keeps: a number, or a fraction of each prompt's tokens
+    (applied per sequence of a batch). ``overrides`` set any other parameter (``strategy="per_group"``, ...).
+    ``tokenizer`` serves methods that build prompts of their own (KVzip).
+    """
+    from .presets import NONE, budget_slots, check_budget, preset
+
+    if method == NONE:
+        raise ValueError("method='none' keeps the full cache: run the model without kvcompress.compress")
+    check_budget(budget)
+    if isinstance(budget, int):
+        return CompressionSession(model, preset(method, budget, **overrides), tokenizer)
+
+    def prompt_budget(tokens: int) -> int:
+        return budget_slots(budget, tokens)
+
+    def prompt_parameters(tokens: int) -> KVCacheCompressionParameters:
+        return preset(method, prompt_budget(tokens), **overrides)
+
+    nominal = prompt_parameters(1024)  # validates the method and overrides before any prompt arrives
+    return CompressionSession(model, nominal, tokenizer, prompt_budget, prompt_parameters)
+
+
 class CompressionSession:
     """One attachment of a compressor to one model; use it as a context manager."""
 
-    def __init__(self, model: nn.Module, parameters: KVCacheCompressionParameters, tokenizer: Any = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        parameters: KVCacheCompressionParameters,
+        tokenizer: Any = None,
+        prompt_budget: Callable[[int], int] | None = None,
+        prompt_parameters: Callable[[int], KVCacheCompressionParameters] | None = None,
+    ):
+        """``prompt_budget`` / ``prompt_parameters`` (``kvcompress.compress`` with a fractional budget): each
+        new sequence's slots follow its prompt's real tokens, and the parameters are those of the batch's
+        longest prompt; a shorter prompt of a batch keeps the same windows and a smaller scored area."""
         self.model = model
         self.parameters = parameters
         self.tokenizer = tokenizer
         self.scorer = parameters.scorer(parameters)
+        self._prompt_budget, self._prompt_parameters = prompt_budget, prompt_parameters
+        self._row_units: torch.Tensor | None = None  # per-sequence scored areas of a fractional budget
         self.layout: ModelLayout | None = None
         self.sequence: SequenceState | None = None
         self.layers: dict[int, LayerState] = {}
@@ -113,7 +153,8 @@ class CompressionSession:
                     "true positions while compressed layers would use compact ones"
                 )
             check_rerotation_supported(layout.rotary_emb, type(self.model).__name__)
-        self.scorer.bind(self.model, self._tokenizer_if_needed())
+        self.tokenizer = self._tokenizer_if_needed()
+        self.scorer.bind(self.model, self.tokenizer)
         self.layout = layout
         try:
             self._handles.append(
@@ -270,6 +311,8 @@ class CompressionSession:
             self._start_sequence(cache, batch, device)
         self._check_in_sync(cache, batch)
         sequence = self.sequence
+        if physical == 0 and self._prompt_parameters is not None:
+            self._fit_budget(self._new_token_validity(kwargs.get("attention_mask"), batch, length, 0, 0, device))
 
         mask = kwargs.get("attention_mask")
         new_valid = self._new_token_validity(mask, batch, length, sequence.total, physical, device)
@@ -376,6 +419,19 @@ class CompressionSession:
             for index, snapshot in sliding.items():
                 cache.layers[index].__dict__.update(snapshot)
         self.timings["reconstruction"] += time.perf_counter() - started
+
+    def _fit_budget(self, prompt_valid: torch.Tensor) -> None:
+        """A fractional budget meets a new prompt: the parameters of the longest prompt of the batch, and each
+        sequence's scored area from its own prompt's real tokens."""
+        lengths = prompt_valid.sum(-1).tolist()
+        params = self._prompt_parameters(max(lengths))
+        if params.scorer is not type(self.scorer) or params != self.parameters:
+            self.parameters, self.scorer = params, params.scorer(params)
+            self.scorer.bind(self.model, self.tokenizer)
+        windows = params.start_size + params.recent_size
+        self._row_units = torch.tensor(
+            [max(0, self._prompt_budget(n) - windows) // params.unit_size for n in lengths], device=prompt_valid.device
+        )
 
     def _start_sequence(self, cache: DynamicCache, batch: int, device: torch.device) -> None:
         self.layers.clear()
@@ -497,6 +553,8 @@ class CompressionSession:
         state = self.layers.get(index)
         if state is None:
             state = self.layers[index] = LayerState.empty(keys.shape[0], keys.shape[1], keys.device)
+            if self._row_units is not None:
+                state.scored_units = self._row_units.clone()
         return state
 
     def _after_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -594,8 +652,9 @@ class CompressionSession:
         budgets = torch.cat([self._layer_budget(state) for state in states])
         if allocate:  # only the sequences that evict now take their share, as each would alone
             evicting = slot_rows.sum(-1) > budgets + slack
-            units = torch.where(evicting, global_scored_units(scores, slot_rows, self.parameters, len(layers)),
-                                torch.cat([self._scored_units(state) for state in states]))
+            current = torch.cat([self._scored_units(state) for state in states])
+            totals = current.view(len(layers), batch).sum(0)  # per sequence, what the layers hold together
+            units = torch.where(evicting, global_scored_units(scores, slot_rows, self.parameters, totals), current)
             for number, state in enumerate(states):
                 state.scored_units = units[number * batch : (number + 1) * batch]
             budgets = torch.cat([self._layer_budget(state) for state in states])

@@ -28,8 +28,7 @@ __all__ = [
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-METHODS = ("none", "snapkv", "h2o", "streamingllm")
-STREAMINGLLM_START = 4  # attention sinks kept by the StreamingLLM-like setting (KVCache-Factory: window = budget - 4)
+STREAMINGLLM = "streamingllm"  # this runner's name for kvcompress's streaming_llm preset (KVCache-Factory's)
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct of kvcompress.models
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -167,28 +166,29 @@ def _parameter_fields() -> frozenset[str]:
     return frozenset(field.name for field in dataclasses.fields(KVCacheCompressionParameters))
 
 
-def _build_parameters(method: str, budget: int | None, fields: dict[str, Any], key: str) -> Any:
-    """``from_budget`` when a budget is given, else ``from_dict``; kvcompress's own errors get the key prefixed."""
-    from kvcompress.parameters import KVCacheCompressionParameters
+def _methods() -> tuple[str, ...]:
+    """``none``, ``streamingllm`` and every kvcompress preset (the registered scorers)."""
+    from kvcompress.presets import NONE, STREAMING_LLM, method_names
 
-    if method in ("snapkv", "h2o"):
-        if fields.get("algorithm", method) != method:
-            raise ConfigError(f"{key}.algorithm: {fields['algorithm']!r} contradicts method {method!r}")
-        fields = {**fields, "algorithm": method}
-    if method == "streamingllm":
-        for forbidden in ("intermediate_size", "recent_size"):
-            if forbidden in fields:
-                raise ConfigError(f"{key}.{forbidden}: streamingllm keeps start + recent = budget; set start_size only")
-        start = fields.get("start_size", STREAMINGLLM_START)
-        if isinstance(start, int) and budget <= start:
-            raise ConfigError(f"{key}.budget: streamingllm needs a budget above start_size ({start}), got {budget}")
-        fields = {**fields, "start_size": start, "recent_size": budget - start}
+    return (NONE, STREAMINGLLM, *(m for m in method_names() if m not in (NONE, STREAMING_LLM)))
+
+
+def _build_parameters(method: str, budget: int | None, fields: dict[str, Any], key: str) -> Any:
+    """kvcompress's preset when a budget is given, else the explicit fields; kvcompress's own errors get the
+    key prefixed (``key.field`` when they name one)."""
+    from kvcompress.parameters import KVCacheCompressionParameters
+    from kvcompress.presets import STREAMING_LLM, preset
+
     try:
         if budget is not None:
-            return KVCacheCompressionParameters.from_budget(budget, **fields)
-        return KVCacheCompressionParameters.from_dict(fields)
+            return preset(STREAMING_LLM if method == STREAMINGLLM else method, budget, **fields)
+        if fields.get("algorithm", method) != method:
+            raise ValueError(f"algorithm: {fields['algorithm']!r} contradicts method {method!r}")
+        return KVCacheCompressionParameters.from_dict({**fields, "algorithm": method})
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"{key}: {error}") from None
+        field = str(error).split(":")[0]
+        named = field in _parameter_fields() or field == "budget"
+        raise ConfigError(f"{key}.{error}" if named else f"{key}: {error}") from None
 
 
 def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
@@ -198,7 +198,7 @@ def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
     parameter_fields = _parameter_fields()
     _no_unknown_keys(section, {"name", "method", "budget", "budgets"} | parameter_fields, key)
     if "method" in section:
-        method = _string(section.pop("method"), f"{key}.method", METHODS)
+        method = _string(section.pop("method"), f"{key}.method", _methods())
     else:  # explicit fields: the algorithm names the method (kvcompress's default algorithm when absent)
         method = _string(section.get("algorithm", "snapkv"), f"{key}.algorithm", ("snapkv", "h2o"))
     name = _name(section.pop("name"), f"{key}.name") if "name" in section else None

@@ -43,24 +43,23 @@ def select_keep_mask(
 
 
 def global_scored_units(
-    head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters, layers: int
+    head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters, totals: torch.Tensor
 ) -> torch.Tensor:
-    """Scored units per row when ``layers`` layers share one budget (rows stacked layer-major: row = l·B + b).
+    """Scored units per row when the layers share one budget (rows stacked layer-major: row = l·B + b).
 
-    Per sequence, the candidates of every layer compete for ``layers × intermediate_size`` units by score
-    (KVzip's global selection); a layer gets as many units as it has among the winners, so layers whose scores
-    are high everywhere keep much and layers that attend narrowly keep little. Ties go to the earlier layer
-    and unit. Returns (L·B,) int64.
+    Per sequence b, the candidates of every layer compete for ``totals[b]`` units by score (KVzip's global
+    selection); a layer gets as many units as it has among the winners, so layers whose scores are high
+    everywhere keep much and layers that attend narrowly keep little. Ties go to the earlier layer and unit.
+    Returns (L·B,) int64.
     """
     units = _units(head_scores, slot_valid, params)
-    batch, count = head_scores.shape[0] // layers, units.candidates.shape[-1]
+    batch, count = totals.shape[0], units.candidates.shape[-1]
+    layers = head_scores.shape[0] // batch
 
     def by_sequence(tensor: torch.Tensor) -> torch.Tensor:  # (L·B, U) -> (B, L·U)
         return tensor.view(layers, batch, count).transpose(0, 1).reshape(batch, layers * count)
 
-    candidates = by_sequence(units.candidates)
-    total = torch.full((batch,), layers * (params.intermediate_size // params.unit_size), device=candidates.device)
-    winners = _top_k_mask(by_sequence(units.scores), candidates, total)
+    winners = _top_k_mask(by_sequence(units.scores), by_sequence(units.candidates), totals)
     return winners.view(batch, layers, count).sum(-1).transpose(0, 1).reshape(-1)
 
 

@@ -36,7 +36,7 @@ def test_sweep_expands_methods_and_budgets(tmp_path, make_config):
     assert (snap1024.parameters.start_size, snap1024.parameters.intermediate_size, snap1024.parameters.recent_size) == (
         0, 992, 32)
     assert snap128.parameters.window_size == 32 and snap128.budget == 128
-    assert h2o.parameters.algorithm.value == "h2o" and h2o.parameters.max_cache_size == 256
+    assert h2o.parameters.algorithm == "h2o" and h2o.parameters.max_cache_size == 256
     assert (streaming.parameters.start_size, streaming.parameters.intermediate_size,
             streaming.parameters.recent_size) == (4, 0, 124)
     assert explicit.method == "h2o" and explicit.budget == 64
@@ -92,8 +92,8 @@ def test_errors_name_the_key(tmp_path, make_config, overrides, message):
         ({"method": "snapkv", "budget": 128, "score_aggregation": "mean"}, r"^compression\[1\]: score_aggregation"),
         ({"method": "snapkv", "budget": 128, "window_size": "8"}, r"^compression\[1\]: window_size must be an int"),
         ({"method": "streamingllm"}, r"^compression\[1\]\.budget: required for method 'streamingllm'"),
-        ({"method": "streamingllm", "budget": 4}, r"^compression\[1\]\.budget: streamingllm needs a budget above"),
-        ({"method": "streamingllm", "budget": 64, "recent_size": 8}, r"^compression\[1\]\.recent_size: streamingllm"),
+        ({"method": "streamingllm", "budget": 4}, r"^compression\[1\]\.budget: streaming_llm needs a budget above"),
+        ({"method": "streamingllm", "budget": 64, "recent_size": 8}, r"^compression\[1\]\.recent_size: streaming_llm"),
         ({"method": "none", "budget": 64}, r"^compression\[1\]\.budget: method 'none'"),
         ({"method": "snapkv", "algorithm": "h2o", "budget": 64}, r"^compression\[1\]\.algorithm: 'h2o' contradicts"),
         ({"method": "none"}, r"^compression\[1\]: setting name 'full' is used twice"),

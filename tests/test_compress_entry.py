@@ -1,0 +1,50 @@
+"""``kvcompress.compress``: a method name and a budget, in slots or as a fraction of each prompt."""
+
+import pytest
+import torch
+
+from tiny_models import TinyTokenizer, random_tokens, tiny_model
+from kvcompress import compress, method_names, preset
+from kvcompress.presets import STREAMING_LLM_SINKS
+
+
+def test_slot_budget_is_the_preset():
+    model = tiny_model("llama")
+    with compress(model, method="h2o", budget=40) as session:
+        out = model.generate(random_tokens(90), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert session.parameters == preset("h2o", 40)
+    assert out.past_key_values.layers[0].keys.shape[-2] <= 40 + session.parameters.decode_slack
+
+
+def test_fraction_is_applied_to_each_prompt_of_a_batch():
+    from test_padded_batches import _left_pad
+
+    model = tiny_model("llama")
+    prompts = [random_tokens(200, seed=1), random_tokens(120, seed=2)]
+    ids, mask = _left_pad(prompts)
+    with compress(model, method="snapkv", budget=0.2) as session, torch.no_grad():
+        model(ids, attention_mask=mask, use_cache=True)
+        kept = session.layers[0].live.tolist()
+    assert kept == [40, 24]  # 20 % of 200 and of 120 real tokens
+    with compress(model, method="snapkv", budget=0.2) as session, torch.no_grad():
+        model(prompts[1], use_cache=True)
+        assert session.layers[0].live.tolist() == [24]
+
+
+@pytest.mark.parametrize("method", [m for m in method_names() if m != "none"])
+def test_every_method_runs_from_its_name(method):
+    model = tiny_model("llama")
+    with compress(model, method=method, budget=0.25, tokenizer=TinyTokenizer()) as session:
+        model.generate(random_tokens(96), max_new_tokens=4, do_sample=False)
+    assert sum(state.length for state in session.layers.values()) <= 2 * (24 + session.parameters.decode_slack)
+
+
+def test_streaming_llm_keeps_sinks_and_recent_and_bad_budgets_name_the_parameter():
+    params = preset("streaming_llm", 64)
+    assert (params.start_size, params.intermediate_size, params.recent_size) == (STREAMING_LLM_SINKS, 0, 60)
+    model = tiny_model("llama")
+    for budget in (0, 1.5, -0.1, True):
+        with pytest.raises(ValueError, match="budget"):
+            compress(model, budget=budget)
+    with pytest.raises(ValueError, match="method must be one of"):
+        compress(model, method="pyramid", budget=32)
