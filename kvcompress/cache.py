@@ -55,8 +55,7 @@ def kv_cache_bytes(cache: Cache) -> int:
 
 
 def kv_cache_length(cache: Cache) -> int:
-    """Physical slots of the first full-attention layer (what compression bounds)."""
-    for layer in _filled_layers(cache):
-        if not getattr(layer, "is_sliding", False):
-            return layer.keys.shape[-2]
-    return 0
+    """Physical slots per full-attention layer (what compression bounds), averaged over those layers and rounded:
+    their common length, unless the layers have budgets of their own (``budget_allocation="global"``)."""
+    lengths = [layer.keys.shape[-2] for layer in _filled_layers(cache) if not getattr(layer, "is_sliding", False)]
+    return round(sum(lengths) / len(lengths)) if lengths else 0

@@ -22,12 +22,16 @@ import yaml
 from .cache import kv_cache_bytes, kv_cache_length
 from .compressor import KVCacheCompressor
 from .parameters import AGGREGATIONS, KVCacheCompressionParameters
+from .presets import preset
 from .scoring.registry import SCORERS
 
 DEMO_DOCUMENT = "demo_report.txt"
 DEMO_QUESTION = "According to the report, in which city will the new battery factory be built?"
 DEMO_ANSWER = "Trondheim"
 DEFAULT_BUDGET = "20%"
+# KVzip keeps what the model needs to reproduce the document: on the demo in bfloat16 it answers where SnapKV at the
+# same budget names the wrong city, and on RULER's needles it keeps the most (benchmarks/results/ruler_smollm2.md).
+DEFAULT_METHOD = "kvzip"
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 SIZE_OPTIONS = ("start_size", "intermediate_size", "recent_size")
 # Options that --config replaces: combining them with a config file would leave it unclear which one wins.
@@ -77,11 +81,11 @@ def non_negative_int(text: str) -> int:
 
 def _compression_options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("compression (defaults: snapkv, norm_sum, a budget of 20% of the prompt)")
-    group.add_argument("--algorithm", choices=list(SCORERS), help="default: snapkv")
+    group = parent.add_argument_group(f"compression (defaults: {DEFAULT_METHOD}, a budget of 20% of the prompt)")
+    group.add_argument("--algorithm", choices=list(SCORERS), help=f"default: {DEFAULT_METHOD}")
     group.add_argument("--budget", type=parse_budget,
                        help="slots kept per layer: a count (400) or a percentage of the prompt (20%%); "
-                            "split into start / intermediate / recent by KVCacheCompressionParameters.from_budget")
+                            "the method's preset splits it (kvcompress.presets)")
     for name in SIZE_OPTIONS:
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, type=non_negative_int,
                            help="the three sizes are given together, instead of --budget")
@@ -136,12 +140,13 @@ def compression_parameters(args: argparse.Namespace, prompt_tokens: int) -> KVCa
     sizes = [getattr(args, name) for name in SIZE_OPTIONS]
     overrides = {name: getattr(args, name) for name in ("algorithm", "score_aggregation", "window_size")}
     overrides = {name: value for name, value in overrides.items() if value is not None}
+    method = overrides.pop("algorithm", DEFAULT_METHOD)
     if any(size is not None for size in sizes):
         if None in sizes or args.budget is not None:
             raise ValueError("give either --budget or all three of --start-size, --intermediate-size, --recent-size")
-        return KVCacheCompressionParameters(**dict(zip(SIZE_OPTIONS, sizes)), **overrides)
+        return KVCacheCompressionParameters(algorithm=method, **dict(zip(SIZE_OPTIONS, sizes)), **overrides)
     budget = args.budget or parse_budget(DEFAULT_BUDGET)
-    return KVCacheCompressionParameters.from_budget(budget.resolve(prompt_tokens), **overrides)
+    return preset(method, budget.resolve(prompt_tokens), **overrides)
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,7 @@ class _Clock:
 def run_generation(model, tokenizer, input_ids: torch.Tensor, params: KVCacheCompressionParameters | None,
                    max_new_tokens: int) -> GenerationResult:
     """Greedy generation of one prompt, timed, with the cache compressed by ``params`` (None: the full cache)."""
-    session = KVCacheCompressor(eviction_parameters=params)(model) if params else contextlib.nullcontext()
+    session = KVCacheCompressor(params, tokenizer=tokenizer)(model) if params else contextlib.nullcontext()
     clock = _Clock()
     start = time.perf_counter()
     with session:
@@ -229,8 +234,10 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def _describe(params: KVCacheCompressionParameters) -> str:
-    return (f"{params.algorithm}, {params.score_aggregation}, {params.strategy}, {params.max_cache_size} slots "
-            f"= {params.start_size} start + {params.intermediate_size} scored + {params.recent_size} recent")
+    method = [params.algorithm, params.score_aggregation] if params.scorer.combine == "add" else [params.algorithm]
+    shared = ", the layers sharing the scored slots by score" if params.budget_allocation == "global" else ""
+    return (f"{', '.join([*method, params.strategy])}, {params.max_cache_size} slots per layer = {params.start_size} "
+            f"start + {params.intermediate_size} scored + {params.recent_size} recent{shared}")
 
 
 def _mib(count: int) -> str:

@@ -522,7 +522,8 @@ class CompressionSession:
             )
             head_scores, output = self.scorer.attend(call, state)
         self._scored[module.layer_idx] = head_scores
-        self.timings["attention_and_scoring" if output is not None else "scoring"] += time.perf_counter() - started
+        if not self._replaying:  # a reconstruction pass is timed as a whole ("reconstruction")
+            self.timings["attention_and_scoring" if output is not None else "scoring"] += time.perf_counter() - started
         if output is None:
             if self._forward_layout is None:  # this layer's own length: the decoder's mask cannot fit it
                 attention_mask = None if all_live and query.shape[2] == 1 else _additive_mask(layout, query)
@@ -583,7 +584,6 @@ class CompressionSession:
                 state.merge(head_scores, self.scorer.combine)
             layer.keys = layer.keys[..., : total - length, :].contiguous()
             layer.values = layer.values[..., : total - length, :].contiguous()
-            self.timings["scoring"] += time.perf_counter() - started
             return
         value_norms = None
         if self.parameters.refined_algorithm == "criticalkv":

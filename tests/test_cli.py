@@ -6,16 +6,16 @@ import re
 
 import pytest
 
-from kvcompress import KVCacheCompressionParameters, cli, models
+from kvcompress import KVCacheCompressionParameters, cli, models, preset
 
 
 def params_for(*options: str, prompt_tokens: int = 1000) -> KVCacheCompressionParameters:
     return cli.compression_parameters(cli.build_parser().parse_args(["demo", *options]), prompt_tokens)
 
 
-def test_defaults_are_snapkv_norm_sum_at_20_percent():
+def test_defaults_are_the_kvzip_preset_at_20_percent():
     params = params_for(prompt_tokens=2000)
-    assert params == KVCacheCompressionParameters.from_budget(400, algorithm="snapkv", score_aggregation="norm_sum")
+    assert params == preset("kvzip", 400) and params.budget_allocation == "global"
 
 
 @pytest.mark.parametrize("budget, expected", [("400", 400), ("10%", 100), ("100%", 1000), ("0.5%", 5)])
@@ -24,8 +24,8 @@ def test_budget_is_slots_or_percentage(budget, expected):
 
 
 def test_three_sizes_and_overrides():
-    params = params_for("--start-size", "4", "--intermediate-size", "0", "--recent-size", "60",
-                        "--score-aggregation", "sum", "--window-size", "16")
+    params = params_for("--start-size", "4", "--intermediate-size", "0", "--recent-size", "60", "--algorithm",
+                        "snapkv", "--score-aggregation", "sum", "--window-size", "16")
     assert (params.start_size, params.intermediate_size, params.recent_size) == (4, 0, 60)
     assert (params.score_aggregation, params.window_size) == ("sum", 16)
 
@@ -80,7 +80,7 @@ def test_demo_answers_with_and_without_compression(capsys):
     assert cli.main(["demo", "--max-new-tokens", "24"]) == 0
     report = capsys.readouterr().out
     assert "expected: Trondheim -> full cache correct, compressed correct" in report
-    assert "snapkv, norm_sum, per_token" in report and "KV cache" in report and "prefill" in report
+    assert "kvzip, per_token" in report and "KV cache" in report and "prefill" in report
 
 
 @pytest.mark.slow
