@@ -64,7 +64,7 @@ from kvcompress.cache import kv_cache_bytes, kv_cache_length  # noqa: E402
 from kvcompress.presets import STREAMING_LLM, preset  # noqa: E402
 
 GROUP_SIZE = 32
-METHODS = ("none", "snapkv", "h2o", "streaming", "snapkv-per-group", "h2o-per-group")
+METHODS = ("none", "snapkv", "h2o", "kvzip", "streaming", "snapkv-per-group", "h2o-per-group")
 TARGETS = {
     "prefill_snapkv": 1.05, "prefill_h2o": 1.15, "peak_memory": 1.05, "decode_evicted": 1.0, "decode_continuous": 0.95,
 }

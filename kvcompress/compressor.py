@@ -344,8 +344,9 @@ class CompressionSession:
         sequence.forward_valid = new_valid
         sequence.forward_positions = positions.to(torch.long)
         sequence.forward_true_positions = true_positions
-        if not self._replaying:
-            self._due.clear()  # left over only if an earlier forward failed half-way
+        if not self._replaying:  # what an earlier forward that failed half-way may have left
+            self._due.clear()
+            sequence.evicting = False
             self._reconstruct_due = False
         self._scored.clear()
         self._observation.clear()
@@ -376,6 +377,8 @@ class CompressionSession:
             self._evict(due, self._eviction_slack(new_valid.shape[-1]),
                         allocate=new_valid.shape[-1] > 1 and self.parameters.budget_allocation == "global")
         self._share_layout()
+        sequence.evictions += sequence.evicting
+        sequence.evicting = False
 
     def _share_layout(self) -> None:
         """The layout of every compressed layer when they all agree (the usual case), else None."""
@@ -674,7 +677,7 @@ class CompressionSession:
                 delta = torch.where(valid, compact - state.rope_positions, 0)
                 layer.keys = rotate_keys(module, layer.keys, delta, self.layout.rotary_emb.inv_freq)
                 state.rope_positions = torch.where(valid, compact, state.rope_positions)
-        self.sequence.evictions += 1
+        self.sequence.evicting = True
         self.timings["compaction"] += time.perf_counter() - started
 
     # ------------------------------------------------------------------ cache guards

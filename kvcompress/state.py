@@ -29,7 +29,8 @@ class SequenceState:
     forward_positions: torch.Tensor | None = None  # (B, q) int64: RoPE positions the current forward uses
     forward_true_positions: torch.Tensor | None = None  # (B, q) int64: their positions in the full sequence
     total: int = 0  # slots ever appended, padding included (the length of generate's 2-D mask)
-    evictions: int = 0
+    evictions: int = 0  # forwards that evicted
+    evicting: bool = False  # the current forward has evicted
 
 
 # Spare slots reserved past the current length, so that decode steps (and the few slots per_token decode lets the
