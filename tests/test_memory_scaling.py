@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tiny_models import random_tokens, tiny_model
+from tiny_models import TinyTokenizer, random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.scoring import attention
 
@@ -39,7 +39,7 @@ def largest_allocation(model, params, length: int, padded: bool = False) -> int:
         mask = torch.ones_like(ids)
         mask[1, : length // 4] = 0
         kwargs["attention_mask"] = mask
-    session = KVCacheCompressor(params)(model) if params is not None else contextlib.nullcontext()
+    session = KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) if params else contextlib.nullcontext()
     with torch.no_grad(), session:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             model(ids, use_cache=True, logits_to_keep=1, **kwargs)
@@ -69,6 +69,20 @@ def test_largest_prefill_allocation_grows_linearly(backend, algorithm, strategy)
         f"when the prompt grew ×{LONG // SHORT}: something scales with length²"
     )
     assert long < LONG * LONG * 4, f"an allocation of {long} bytes is as large as one float32 {LONG}² matrix"
+
+
+def test_kvzip_reconstruction_allocates_like_the_prefill():
+    """KVzip's reconstruction passes (a chunk of 256 replayed over the whole prompt, all layers held until they
+    share one budget): no allocation grows with length², and none exceeds the uncompressed prefill's largest
+    by more than the attention chunks of one pass."""
+    model = tiny_model("llama")
+    params = KVCacheCompressionParameters(algorithm="kvzip", budget_allocation="global",
+                                          scorer_options={"chunk_size": 256}, **BUDGET)
+    short = largest_allocation(model, params, SHORT)
+    long = largest_allocation(model, params, LONG)
+    assert long / short <= LINEAR_GROWTH_LIMIT, f"KVzip: the largest allocation grew ×{long / short:.1f}"
+    uncompressed = largest_allocation(model, None, LONG)
+    assert long <= 2 * uncompressed, f"KVzip: a {long}-byte allocation, the uncompressed prefill's largest {uncompressed}"
 
 
 def test_padded_batch_prefill_allocates_nothing_larger_than_the_model_does(backend):
