@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data-dir", type=Path, default=ROOT / "out" / "ruler")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ruler_smollm2")
-    parser.add_argument("--peer", type=Path, default=ROOT / "benchmarks" / "results" / "peer_kvpress" / "runs.jsonl",
+    parser.add_argument("--peer", type=Path,
+                        default=ROOT / "benchmarks" / "results" / "peer_kvpress" / "peer_kvpress_runs.jsonl",
                         help="kvpress runs on the same prompts (benchmarks/peer_kvpress.py), shown beside ours")
     parser.add_argument("--resume", action="store_true", help="keep the runs already recorded and do the rest")
     return parser.parse_args(argv)
@@ -178,13 +179,35 @@ def main(argv=None) -> None:
     write_report(args, argv, model, samples, calibrated, runs)
 
 
+# kvpress's press names where they differ from ours (ObservedAttentionPress is H2O's accumulated attention)
+PEER_NAMES = {"observed_attention": "h2o"}
+
+
+def load_peer(path: Path) -> list[dict]:
+    """kvpress's runs in this benchmark's terms (method, budget = kept fraction, correct)."""
+    if not path or not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        records.append({"task": record["task"], "index": record["index"], "protocol": record["protocol"],
+                        "method": PEER_NAMES.get(record["method"], record["method"]), "budget": record["kept"],
+                        "correct": float(bool(record["passed"])), "kv_bytes": record["kv_bytes"],
+                        "full_kv_bytes": record["kv_bytes_full_context"]})
+    return records
+
+
 def write_report(args, argv, model, samples, calibrated, runs) -> None:
     keep = {(s["task"], s["index"]) for s in calibrated}
-    peer = load_runs(args.peer) if args.peer and args.peer.is_file() else {}
+    peer = load_peer(args.peer)
     lines = [
         "# RULER needle tasks under KV-cache compression (default model)",
         f"Command (repository root, {datetime.now(timezone.utc):%Y-%m-%d}):\n\n```bash\n"
-        f"python benchmarks/ruler_quality.py {shlex.join(argv if argv is not None else sys.argv[1:])}\n```",
+        f"python benchmarks/ruler_quality.py {shlex.join(a for a in (argv or sys.argv[1:]) if a != '--resume')}"
+        "\n```",
         f"SmolLM2-135M-Instruct ({str(model.dtype).removeprefix('torch.')}), torch {torch.__version__}, "
         f"{args.threads} thread(s), {platform.machine()}; RULER {', '.join(args.tasks)} at max_seq_length "
         f"{args.length}, seed {args.seed}, {args.samples} samples each; greedy, {args.max_new_tokens} new tokens.",
@@ -204,13 +227,15 @@ def write_report(args, argv, model, samples, calibrated, runs) -> None:
                 ours = [r for r in runs.values() if r["method"] == method and r["budget"] == budget
                         and r["protocol"] == protocol and (r["task"], r["index"]) in keep]
                 cell = f"{sum(r['correct'] for r in ours):.0f}/{len(ours)}"
-                theirs = [r for k, r in peer.items() if r.get("method") == method and r.get("budget") == budget
-                          and r.get("protocol") == protocol and (r["task"], r["index"]) in keep]
+                theirs = [r for r in peer if r["method"] == method and r["budget"] == budget
+                          and r["protocol"] == protocol and (r["task"], r["index"]) in keep]
                 if theirs:
                     cell += f" (kvpress {sum(r['correct'] for r in theirs):.0f}/{len(theirs)})"
                 cells.append(cell)
                 if budget == args.budgets[len(args.budgets) // 2] and ours:
                     kv = f"{sum(r['kv_bytes'] for r in ours) / sum(r['full_kv_bytes'] for r in ours):.3f}"
+                    if theirs:
+                        kv += f" (kvpress {sum(r['kv_bytes'] for r in theirs) / sum(r['full_kv_bytes'] for r in theirs):.2f})"
                     ratios = sorted(r["prefill_seconds"] / r["full_prefill_seconds"] for r in ours
                                     if "full_prefill_seconds" in r)
                     cost = f"{ratios[len(ratios) // 2]:.2f}" if ratios else "—"

@@ -311,15 +311,15 @@ class CompressionSession:
             self._start_sequence(cache, batch, device)
         self._check_in_sync(cache, batch)
         sequence = self.sequence
-        if physical == 0 and self._prompt_parameters is not None:
-            self._fit_budget(self._new_token_validity(kwargs.get("attention_mask"), batch, length, 0, 0, device))
 
         mask = kwargs.get("attention_mask")
         new_valid = self._new_token_validity(mask, batch, length, sequence.total, physical, device)
+        if physical == 0 and self._prompt_parameters is not None:
+            self._fit_budget(new_valid)
         offsets = new_valid.long().cumsum(-1) - 1
         true_positions = (sequence.seen[:, None] + offsets).clamp(min=0)
         given = kwargs.get("position_ids")
-        if given is not None and sequence.total != physical:
+        if given is not None and sequence.evictions:  # the cache no longer tells positions
             self._check_true_positions(given.expand(batch, -1), true_positions, new_valid)
         if self.parameters.rerotate_keys:  # every layer keeps the same slots' count: one compact position each
             positions = (self._shared_layout.sum(-1)[:, None] + offsets).clamp(min=0)
