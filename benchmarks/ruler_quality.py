@@ -26,7 +26,6 @@ import platform
 import shlex
 import sys
 import time
-from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -200,6 +199,10 @@ def load_peer(path: Path) -> list[dict]:
     return records
 
 
+def _kv_ratio(records: list[dict]) -> float:
+    return sum(r["kv_bytes"] for r in records) / sum(r["full_kv_bytes"] for r in records)
+
+
 def write_report(args, argv, model, samples, calibrated, runs) -> None:
     keep = {(s["task"], s["index"]) for s in calibrated}
     peer = load_peer(args.peer)
@@ -233,11 +236,9 @@ def write_report(args, argv, model, samples, calibrated, runs) -> None:
                     cell += f" (kvpress {sum(r['correct'] for r in theirs):.0f}/{len(theirs)})"
                 cells.append(cell)
                 if budget == args.budgets[len(args.budgets) // 2] and ours:
-                    kv = f"{sum(r['kv_bytes'] for r in ours) / sum(r['full_kv_bytes'] for r in ours):.3f}"
-                    if theirs:
-                        kv += f" (kvpress {sum(r['kv_bytes'] for r in theirs) / sum(r['full_kv_bytes'] for r in theirs):.2f})"
-                    ratios = sorted(r["prefill_seconds"] / r["full_prefill_seconds"] for r in ours
-                                    if "full_prefill_seconds" in r)
+                    kv = f"{_kv_ratio(ours):.3f}" + (f" (kvpress {_kv_ratio(theirs):.2f})" if theirs else "")
+                    timed = [r for r in ours if "full_prefill_seconds" in r]
+                    ratios = sorted(r["prefill_seconds"] / r["full_prefill_seconds"] for r in timed)
                     cost = f"{ratios[len(ratios) // 2]:.2f}" if ratios else "—"
             lines.append(f"| {method} | " + " | ".join(cells) + f" | {kv} | {cost} |")
     path = args.out / "ruler.md"

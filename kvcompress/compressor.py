@@ -705,7 +705,7 @@ def _per_layer_type_masks(decoder, tokens, true_mask, compact_mask, cache, posit
     common = dict(config=decoder.config, inputs_embeds=shape_only, cache=cache, position_ids=positions)
     return {
         # None: compressed layers of different lengths, each masked by the session's attention function
-        "full_attention": create_causal_mask(attention_mask=compact_mask, **common) if compact_mask is not None else None,
+        "full_attention": None if compact_mask is None else create_causal_mask(attention_mask=compact_mask, **common),
         "sliding_attention": create_sliding_window_causal_mask(attention_mask=true_mask, **common),
     }
 

@@ -53,7 +53,9 @@ def preset(method: str, budget: int, **overrides: Any) -> KVCacheCompressionPara
         return None
     check_budget(budget)
     if not isinstance(budget, int):
-        raise ValueError(f"preset() takes a budget in slots; resolve a fraction with budget_slots() first, got {budget}")
+        raise ValueError(
+            f"preset() takes a budget in slots; resolve a fraction with budget_slots() first, got {budget}"
+        )
     if method == STREAMING_LLM:
         for fixed in ("intermediate_size", "recent_size", "algorithm"):
             if fixed in overrides:

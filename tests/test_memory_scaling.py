@@ -82,7 +82,7 @@ def test_kvzip_reconstruction_allocates_like_the_prefill():
     long = largest_allocation(model, params, LONG)
     assert long / short <= LINEAR_GROWTH_LIMIT, f"KVzip: the largest allocation grew ×{long / short:.1f}"
     uncompressed = largest_allocation(model, None, LONG)
-    assert long <= 2 * uncompressed, f"KVzip: a {long}-byte allocation, the uncompressed prefill's largest {uncompressed}"
+    assert long <= 2 * uncompressed, f"KVzip: {long} bytes at once; the uncompressed prefill's largest: {uncompressed}"
 
 
 def test_padded_batch_prefill_allocates_nothing_larger_than_the_model_does(backend):

@@ -4,7 +4,6 @@ parametrised method matrix picks it up with no edit of the matrix."""
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvcompress import KVCacheCompressionParameters
 from kvcompress.scoring.base import Scorer

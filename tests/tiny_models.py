@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import transformers
 
+from kvcompress import KVCacheCompressionParameters
+from kvcompress.scoring.registry import scorer_class
+
 torch.set_num_threads(1)
 
 _COMMON = dict(
@@ -51,10 +54,8 @@ class TinyTokenizer:
         return [3 + ord(character) % (_COMMON["vocab_size"] - 3) for character in text]
 
 
-def scorer_parameters(algorithm: str, **sizes) -> "KVCacheCompressionParameters":
+def scorer_parameters(algorithm: str, **sizes) -> KVCacheCompressionParameters:
     """Parameters for ``algorithm`` with a window only where the method observes one."""
-    from kvcompress import KVCacheCompressionParameters
-    from kvcompress.scoring.registry import scorer_class
 
     window = 8 if scorer_class(algorithm).uses_window else None
     return KVCacheCompressionParameters(algorithm=algorithm, window_size=window, **sizes)

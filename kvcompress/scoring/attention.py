@@ -142,9 +142,9 @@ def observed_attention(
             chunk_output = torch.matmul(logits, values_f32[..., :visible, :])
             if not maximum:
                 chunk_output.mul_(inverse.unsqueeze(-1).to(values.dtype))
-            output[:, start:stop] = chunk_output.to(values.dtype).view(batch, kv_heads, groups, rows_in_chunk, head_dim).permute(
-                0, 3, 1, 2, 4
-            )
+            output[:, start:stop] = chunk_output.to(values.dtype).view(
+                batch, kv_heads, groups, rows_in_chunk, head_dim
+            ).permute(0, 3, 1, 2, 4)
         row_weights = inverse
         if padded or partial:
             row_weights = inverse * chunk_observed.to(inverse.dtype).repeat(1, groups)[:, None, :]

@@ -88,7 +88,8 @@ class Scorer:
                 )
             if name in cls.minimums and value < cls.minimums[name]:
                 raise ValueError(
-                    f"scorer_options[{name!r}] for algorithm={cls.name!r} must be >= {cls.minimums[name]}, got {value!r}"
+                    f"scorer_options[{name!r}] for algorithm={cls.name!r} must be >= {cls.minimums[name]}, "
+                    f"got {value!r}"
                 )
 
     def bind(self, model: nn.Module, tokenizer: Any) -> None:

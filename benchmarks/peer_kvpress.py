@@ -1,0 +1,470 @@
+"""Peer yardstick: NVIDIA kvpress 0.5.5 on the same RULER prompts, model and budgets as our own benchmark.
+
+Runs under a separate virtualenv, never the project's (kvpress 0.5.5 pins transformers < 5.3; the project uses 5.24)::
+
+    python3 -m venv /work/peer-venv
+    /work/peer-venv/bin/pip install torch==2.13.0 kvpress==0.5.5 gguf sentencepiece
+    # installed: kvpress 0.5.5, transformers 5.2.0, torch 2.13.0+cpu, tokenizers 0.22.2, accelerate 1.16.0
+
+    /work/peer-venv/bin/python benchmarks/peer_kvpress.py \
+        --data out/ruler/niah_single_1_2048/validation.jsonl out/ruler/niah_single_2_2048/validation.jsonl \
+        --limit 10 --kept 0.1 0.2 0.4 --out benchmarks/results/peer_kvpress
+
+Model: the project's converted SmolLM2-135M-Instruct folder (``kvcompress.models.converted_model_dir()``, a plain
+``save_pretrained`` folder written by transformers 5.24). transformers 5.2.0 loads it as it is -- config
+(``rope_parameters``), tokenizer (``TokenizersBackend``) and chat template -- with no workaround; its logits on a
+test prompt are bit-identical to 5.24's (max |diff| = 0.0). ``--model`` overrides the folder. The folder is found
+without importing kvcompress (which needs the project's venv): ``$KVCOMPRESS_CACHE`` or
+``$XDG_CACHE_HOME/kvcompress`` or ``~/.cache/kvcompress``, then the newest ``smollm2-135m-instruct-q4_1-*``.
+
+Each sample's ``input`` (the full RULER prompt, ending with the answer prefix) is split into context / question /
+answer prefix exactly as kvpress's ``evaluation/benchmarks/ruler/create_huggingface_dataset.py`` does (question at
+the LAST match of the family's question opening, answer prefix at the first "The special magic" / "Answer:" after
+it): ``ruler.prompts.split_input`` from the repo, stdlib only, like ``ruler.metrics``.
+
+Protocols, both through kvpress's own ``KVPressTextGenerationPipeline`` (``pipeline("kv-press-text-generation")``):
+
+* ``context_first`` -- kvpress's query-agnostic default: ``pipe(context, question=question, answer_prefix=prefix)``.
+  The press acts only while the context (chat-template head + system prompt + user text up to the question) is
+  prefilled; the question, the end-of-user-turn/assistant header and the answer prefix are fed afterwards,
+  uncompressed, over the compressed cache.
+* ``query_aware`` -- kvpress README's definition: ``pipe(context + question, question="", answer_prefix=prefix)``;
+  the question is part of the compressed prefill; only end-of-turn + assistant header + prefix come after.
+
+The token stream is the same in both (user turn = context + question, then the prefix opens the assistant turn),
+which is also the layout our benchmark uses (ruler_spec.md §5).
+
+Output: one JSONL line per finished (source, index, method, kept, protocol) in ``<out>/peer_kvpress_runs.jsonl``,
+flushed and fsynced per line; a rerun skips finished keys and drops a trailing partial line (kill -9 safe).
+``<out>/peer_kvpress_summary.md`` holds the accuracy table.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse
+import glob
+import json
+import logging
+import platform
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------------------------------------------------------
+# Methods and budgets
+# ----------------------------------------------------------------------------------------------------------------
+
+ALL_METHODS = (
+    "none", "kvzip", "snapkv", "snapkv-default", "expected_attention", "tova", "keydiff", "knorm",
+    "streaming_llm", "observed_attention",
+)
+EAGER_METHODS = {"observed_attention"}  # needs the attention weights: attn_implementation="eager"
+PROTOCOLS = ("context_first", "query_aware")
+
+
+def make_press(method: str, kept: float):
+    """kvpress press for ``method`` keeping the fraction ``kept`` (compression_ratio = 1 - kept)."""
+    import kvpress
+
+    ratio = round(1.0 - kept, 6)
+    if method == "none":
+        return None
+    if method == "kvzip":
+        return kvpress.KVzipPress(compression_ratio=ratio)  # defaults: global (not layerwise), n_sink 4, chunk 2048
+    if method == "snapkv":
+        return kvpress.SnapKVPress(compression_ratio=ratio, window_size=8, kernel_size=7)  # our settings
+    if method == "snapkv-default":
+        return kvpress.SnapKVPress(compression_ratio=ratio)  # kvpress defaults: window 64, kernel 5
+    if method == "expected_attention":
+        return kvpress.ExpectedAttentionPress(compression_ratio=ratio)
+    if method == "tova":
+        return kvpress.TOVAPress(compression_ratio=ratio)
+    if method == "keydiff":
+        return kvpress.KeyDiffPress(compression_ratio=ratio)
+    if method == "knorm":
+        return kvpress.KnormPress(compression_ratio=ratio)
+    if method == "streaming_llm":
+        return kvpress.StreamingLLMPress(compression_ratio=ratio)
+    if method == "observed_attention":
+        return kvpress.ObservedAttentionPress(compression_ratio=ratio)
+    raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RULER prompt split and scoring: the repo's own (stdlib only, so this older-transformers venv imports them)
+# ----------------------------------------------------------------------------------------------------------------
+
+sys.path.insert(0, str(REPO))
+from ruler.metrics import postprocess_prediction, string_match_all_per_sample  # noqa: E402
+from ruler.prompts import max_new_tokens as ruler_max_new_tokens  # noqa: E402
+from ruler.prompts import split_input  # noqa: E402
+
+
+def string_match_all(pred: str, refs: list[str]) -> float:
+    """RULER's per-sample string_match_all as a fraction (the share of references found)."""
+    return string_match_all_per_sample([postprocess_prediction(pred)], [refs])[0] / 100
+
+
+def string_match_all_kvpress(pred: str, refs: list[str]) -> float:
+    """kvpress calculate_metrics variant: control characters are deleted instead of replaced by \\n."""
+    p = re.sub(r"[\x00-\x1f]", "", (pred or "").strip()).strip().lower()
+    return sum(r.lower() in p for r in refs) / len(refs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def source_and_task(path: Path) -> tuple[str, str]:
+    """``out/ruler/niah_single_2_2048/validation.jsonl`` -> ("niah_single_2_2048", "niah_single_2")."""
+    source = path.parent.name if path.stem == "validation" else path.stem
+    m = re.match(r"^(.*?)_(\d+)$", source)
+    return source, (m.group(1) if m else source)
+
+
+def load_samples(paths: list[str], limit: int | None) -> list[dict]:
+    samples = []
+    for p in paths:
+        path = Path(p)
+        source, task = source_and_task(path)
+        rows = []
+        with path.open() as f:
+            for line in f:
+                if line.strip():
+                    rows.append(json.loads(line))
+                if limit is not None and len(rows) >= limit:
+                    break
+        for r in rows:
+            samples.append({**r, "source": source, "task": r.get("task", task)})
+    return samples
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Results file (append-only JSONL, resumable)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def run_key(rec: dict) -> tuple:
+    return (rec["source"], int(rec["index"]), rec["method"], float(rec["kept"]), rec["protocol"])
+
+
+def read_results(path: Path, repair: bool = False) -> list[dict]:
+    """Every complete line. With ``repair`` (the runner, at start) a trailing partial line left by kill -9 is cut
+    off the file, so that the next append starts on a fresh line; readers only skip it."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n") and repair:
+        cut = data.rfind(b"\n") + 1
+        with path.open("r+b") as f:
+            f.truncate(cut)
+        data = data[:cut]
+    out = []
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def append_result(path: Path, rec: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model and pipeline
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def default_model_dir() -> Path:
+    root = os.environ.get("KVCOMPRESS_CACHE")
+    if root:
+        base = Path(root).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvcompress"
+    found = sorted(glob.glob(str(base / "smollm2-135m-instruct-q4_1-*")))
+    found = [f for f in found if (Path(f) / "config.json").is_file()]
+    if not found:
+        raise SystemExit(f"no converted SmolLM2 folder with a config.json under {base}; pass --model")
+    return Path(found[-1])
+
+
+class Runner:
+    """One pipeline per attention implementation (sdpa always; eager only when a method needs it)."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+        import kvpress  # noqa: F401  (registers "kv-press-text-generation" and patches attention functions)
+
+        self.model_dir = model_dir
+        self._auto_model = AutoModelForCausalLM
+        self._pipeline = pipeline
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.pipes: dict[str, object] = {}
+
+    def pipe(self, attn: str):
+        if attn not in self.pipes:
+            t = time.time()
+            model = self._auto_model.from_pretrained(self.model_dir, dtype=torch.float32, attn_implementation=attn)
+            model.eval()
+            self.pipes[attn] = self._pipeline(
+                "kv-press-text-generation", model=model, tokenizer=self.tokenizer, device="cpu"
+            )
+            print(f"[load] {attn} model in {time.time() - t:.1f}s", flush=True)
+        return self.pipes[attn]
+
+    def run(self, method: str, press, context: str, question: str, prefix: str, max_new_tokens: int) -> dict:
+        from transformers import DynamicCache
+
+        attn = "eager" if method in EAGER_METHODS else "sdpa"
+        pipe = self.pipe(attn)
+        model = pipe.model
+        for layer in model.model.layers:  # AdaKV-style masks (KVzip) live on the modules; start clean
+            layer.self_attn.masked_key_indices = None
+        tensors = pipe.preprocess(
+            context, questions=[question], answer_prefix=prefix, max_context_length=int(1e10), enable_thinking=False
+        )
+        n_ctx = int(tensors["context_ids"].shape[1])
+        n_q = int(tensors["questions_ids"][0].shape[1])
+        cache = DynamicCache()
+        t = time.time()
+        with torch.inference_mode():
+            out = pipe(context, question=question, answer_prefix=prefix, press=press,
+                       max_new_tokens=max_new_tokens, cache=cache)
+        seconds = time.time() - t
+        # The pipeline trims the answer (and question) off the cache afterwards, so this is the compressed context.
+        kv_bytes = 0
+        eff_bytes = 0
+        positions, masked = [], 0
+        for i, layer in enumerate(cache.layers):
+            k, v = layer.keys, layer.values
+            nbytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+            kv_bytes += nbytes
+            positions.append(int(k.shape[2]))
+            mki = getattr(model.model.layers[i].self_attn, "masked_key_indices", None)
+            n_masked = int(mki[0].numel()) if mki is not None else 0
+            masked += n_masked
+            per_entry = nbytes / max(1, k.shape[0] * k.shape[1] * k.shape[2])
+            eff_bytes += nbytes - n_masked * per_entry
+        n_layers, kv_heads, head_dim = len(cache.layers), model.config.num_key_value_heads, model.config.head_dim
+        full_bytes = 2 * n_layers * kv_heads * n_ctx * head_dim * 4  # float32 full context cache
+        return {
+            "prediction": out["answer"],
+            "seconds": round(seconds, 3),
+            "context_tokens": n_ctx,
+            "question_tokens": n_q,
+            "prompt_tokens": n_ctx + n_q,
+            "kv_bytes": int(kv_bytes),
+            "kv_bytes_full_context": int(full_bytes),
+            "kv_positions_min": min(positions),
+            "kv_positions_max": max(positions),
+            "kv_masked_entries": int(masked),
+            "kv_effective_bytes": int(round(eff_bytes)),
+            "attn_implementation": attn,
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Summary
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def summarize(records: list[dict]) -> str:
+    """Markdown: accuracy per (method, kept, protocol), raw and over samples the full cache answers correctly."""
+    latest = {run_key(r): r for r in records}
+    recs = list(latest.values())
+    base_ok = {
+        (r["protocol"], r["source"], int(r["index"])): r["passed"] for r in recs if r["method"] == "none"
+    }
+    sources = sorted({r["source"] for r in recs})
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in recs:
+        groups[(r["method"], float(r["kept"]), r["protocol"])].append(r)
+    order = {m: i for i, m in enumerate(ALL_METHODS)}
+
+    def pct(c, n):
+        return f"{100 * c / n:.0f}%" if n else "-"
+
+    lines = [
+        "| method | kept | protocol | correct / total | acc | correct / base-correct | acc (base-correct) | "
+        + " | ".join(f"{s} raw" for s in sources)
+        + " | KV bytes / full | effective KV / full | s / gen |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(sources) + "---|---|---|",
+    ]
+    for key in sorted(groups, key=lambda k: (order.get(k[0], 99), k[1], k[2])):
+        g = groups[key]
+        c, n = sum(r["passed"] for r in g), len(g)
+        gb = [r for r in g if base_ok.get((r["protocol"], r["source"], int(r["index"])))]
+        cb, nb = sum(r["passed"] for r in gb), len(gb)
+        per_src = []
+        for s in sources:
+            gs = [r for r in g if r["source"] == s]
+            per_src.append(f"{sum(r['passed'] for r in gs)}/{len(gs)}" if gs else "-")
+        bytes_ratio = sum(r["kv_bytes"] / r["kv_bytes_full_context"] for r in g) / n
+        eff_ratio = sum(r["kv_effective_bytes"] / r["kv_bytes_full_context"] for r in g) / n
+        secs = sum(r["seconds"] for r in g) / n
+        lines.append(
+            f"| {key[0]} | {key[1]:g} | {key[2]} | {c}/{n} | {pct(c, n)} | {cb}/{nb} | {pct(cb, nb)} | "
+            + " | ".join(per_src)
+            + f" | {bytes_ratio:.3f} | {eff_ratio:.3f} | {secs:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for d in ("kvpress", "transformers", "torch", "tokenizers", "accelerate"):
+        try:
+            out[d] = md.version(d)
+        except md.PackageNotFoundError:
+            out[d] = None
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", nargs="+", default=[], help="RULER validation.jsonl file(s)")
+    ap.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
+    ap.add_argument("--kept", nargs="+", type=float, default=[0.1, 0.2, 0.4], help="kept fractions (1 - ratio)")
+    ap.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)
+    ap.add_argument("--limit", type=int, default=None, help="first N samples of each file")
+    ap.add_argument("--max-new-tokens", type=int, default=32,
+                    help="greedy decode budget; 0 = RULER's per-task value (niah 128, vt 30, cwe 120, fwe 50, qa 32)")
+    ap.add_argument("--model", type=Path, default=None, help="converted model folder (default: project's cache)")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "peer_kvpress")
+    ap.add_argument("--summary-only", action="store_true", help="only rewrite the summary from the results file")
+    args = ap.parse_args(argv)
+
+    logging.getLogger("kvpress").setLevel(logging.ERROR)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results_path = args.out / "peer_kvpress_runs.jsonl"
+    summary_path = args.out / "peer_kvpress_summary.md"
+    done = read_results(results_path, repair=not args.summary_only)
+    finished = {run_key(r) for r in done}
+
+    def write_summary():
+        recs = read_results(results_path)
+        table = summarize(recs)
+        vers = versions()
+        text = (
+            "# kvpress 0.5.5 peer run (SmolLM2-135M-Instruct, float32, CPU)\n\n"
+            f"versions: {json.dumps(vers)}\n\n"
+            f"results: `{results_path.name}` ({len(recs)} lines). `passed` = RULER string_match_all == 1 "
+            "(every reference in the cleaned, lower-cased prediction). 'base-correct' = samples the full cache "
+            "(method none, same protocol) answers correctly. KV bytes = real key+value tensor bytes after "
+            "compression / full-context float32 cache; 'effective' subtracts kvpress's masked entries (KVzip keeps "
+            "the full tensors and masks evicted keys at attention time).\n\n" + table + "\n"
+        )
+        tmp = summary_path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(summary_path)
+        return table
+
+    if args.summary_only:
+        print(write_summary())
+        return 0
+    if not args.data:
+        ap.error("--data is required unless --summary-only")
+
+    split_name = "ruler.prompts.split_input"
+    samples = load_samples(args.data, args.limit)
+    model_dir = args.model or default_model_dir()
+    print(f"[setup] {len(samples)} samples; split: {split_name}; model: {model_dir}; versions: {versions()}",
+          flush=True)
+
+    # Work list: full cache first (needed for the base-correct filter), then methods x kept x protocol x sample.
+    work = []
+    for protocol in args.protocols:
+        if "none" in args.methods:
+            for s in samples:
+                work.append(("none", 1.0, protocol, s))
+    for kept in args.kept:
+        for method in args.methods:
+            if method == "none":
+                continue
+            for protocol in args.protocols:
+                for s in samples:
+                    work.append((method, kept, protocol, s))
+    todo = [w for w in work if (w[3]["source"], int(w[3]["index"]), w[0], float(w[1]), w[2]) not in finished]
+    print(f"[setup] {len(work)} runs, {len(work) - len(todo)} already done, {len(todo)} to do", flush=True)
+    if not todo:
+        print(write_summary())
+        return 0
+
+    runner = Runner(model_dir)
+    vers = versions()
+    presses: dict[tuple, object] = {}
+    t0 = time.time()
+    for i, (method, kept, protocol, s) in enumerate(todo):
+        parts = split_input(s["task"], s["input"])
+        context, question, prefix = parts.context, parts.question, parts.answer_prefix
+        if protocol == "query_aware":
+            context, question = context + question, ""
+        mnt = args.max_new_tokens or ruler_max_new_tokens(s["task"])
+        if (method, kept) not in presses:
+            presses[(method, kept)] = make_press(method, kept)
+        press = presses[(method, kept)]
+        res = runner.run(method, press, context, question, prefix, mnt)
+        score = string_match_all(res["prediction"], s["outputs"])
+        rec = {
+            "source": s["source"], "task": s["task"], "index": int(s["index"]), "method": method,
+            "kept": float(kept), "compression_ratio": round(1.0 - kept, 6) if method != "none" else 0.0,
+            "protocol": protocol, "outputs": s["outputs"], "length": s.get("length"),
+            "prediction": res.pop("prediction"), "score": score, "passed": score == 1.0,
+            "max_new_tokens": mnt, **res,
+            "split": split_name, "press": repr(press), "kvpress": vers["kvpress"],
+            "transformers": vers["transformers"], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        rec["score_kvpress_cleanup"] = string_match_all_kvpress(rec["prediction"], s["outputs"])
+        append_result(results_path, rec)
+        elapsed = time.time() - t0
+        print(
+            f"[{i + 1}/{len(todo)}] {s['source']}#{s['index']} {method} kept={kept:g} {protocol}: "
+            f"{'PASS' if rec['passed'] else 'fail'} {res['seconds']:.1f}s ctx={res['context_tokens']} "
+            f"kv={res['kv_bytes'] / 2**20:.1f}MiB eff={res['kv_effective_bytes'] / 2**20:.1f}MiB "
+            f"pred={rec['prediction'][:60]!r} (elapsed {elapsed / 60:.1f} min)",
+            flush=True,
+        )
+    print(write_summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
