@@ -70,6 +70,13 @@ def _sliding_layer_indices(config) -> list[int]:
     return [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
 
 
+def full_attention_inv_freq(rotary_emb: nn.Module | None) -> torch.Tensor | None:
+    """The RoPE frequencies of the full-attention (compressed) layers: Gemma 3 keeps one set per layer type."""
+    if rotary_emb is None:
+        return None
+    return getattr(rotary_emb, "full_attention_inv_freq", getattr(rotary_emb, "inv_freq", None))
+
+
 def rotary_function(module: nn.Module) -> Callable:
     return sys.modules[type(module).__module__].apply_rotary_pos_emb
 

@@ -3,25 +3,26 @@
 import pytest
 import torch
 
-from tiny_models import TINY_CONFIGS, random_tokens, tiny_model
+from tiny_models import TINY_CONFIGS, TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from kvcompress.scoring.registry import SCORERS
 
 PARAMS = KVCacheCompressionParameters(start_size=4, intermediate_size=16, recent_size=8)
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
-@pytest.mark.parametrize("algorithm", ["snapkv", "h2o"])
+@pytest.mark.parametrize("algorithm", list(SCORERS))
 def test_full_layers_bounded_sliding_layers_untouched(arch, algorithm):
     model = tiny_model(arch)
-    params = KVCacheCompressionParameters(**{**PARAMS.to_dict(), "algorithm": algorithm,
-                                             "window_size": 8 if algorithm == "snapkv" else None})
+    params = scorer_parameters(algorithm, start_size=4, intermediate_size=16, recent_size=8)
     ids = random_tokens(100)
     with torch.no_grad():
         reference = model(ids, use_cache=True).past_key_values
-        with KVCacheCompressor(params)(model):
+        with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model):
             # After the prompt every layer saw the same inputs (eviction follows each layer's attention; H2O's
-            # fused attention differs from sdpa by rounding only), so sliding layers must hold the same window
-            # and full layers be cut to the budget.
+            # fused attention differs from sdpa by rounding only; KVzip's reconstruction passes leave the
+            # sliding layers as they were), so sliding layers must hold the same window and full layers be cut
+            # to the budget.
             prefilled = model(ids, use_cache=True).past_key_values
             generated = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False,
                                        return_dict_in_generate=True).past_key_values

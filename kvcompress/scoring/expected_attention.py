@@ -27,13 +27,12 @@ class ExpectedAttention(Scorer):
     minimums = {"future_positions": 1, "epsilon": 0.0}
 
     def bind(self, model, tokenizer) -> None:
-        from ..adapters import inspect_model
+        from ..adapters import full_attention_inv_freq, inspect_model
 
-        rotary = inspect_model(model).rotary_emb
-        if rotary is None or not hasattr(rotary, "inv_freq"):
+        self.inv_freq = full_attention_inv_freq(inspect_model(model).rotary_emb)
+        if self.inv_freq is None:
             raise ValueError(f"algorithm='expected_attention' needs rotary position embeddings; "
                              f"{type(model).__name__} has none")
-        self.inv_freq = rotary.inv_freq
 
     def observed_queries(self, new_valid: torch.Tensor, replay: bool) -> torch.Tensor | None:
         return new_valid if new_valid.shape[-1] > 1 and not replay else None
