@@ -79,32 +79,30 @@ EAGER_METHODS = {"observed_attention"}  # needs the attention weights: attn_impl
 PROTOCOLS = ("context_first", "query_aware")
 
 
+# method -> (kvpress press class, its arguments besides compression_ratio)
+PRESSES = {
+    "kvzip": ("KVzipPress", {}),  # defaults: global (not layerwise), n_sink 4, chunk 2048
+    "snapkv": ("SnapKVPress", {"window_size": 8, "kernel_size": 7}),  # our window and kernel
+    "snapkv-default": ("SnapKVPress", {}),  # kvpress defaults: window 64, kernel 5
+    "expected_attention": ("ExpectedAttentionPress", {}),
+    "tova": ("TOVAPress", {}),
+    "keydiff": ("KeyDiffPress", {}),
+    "knorm": ("KnormPress", {}),
+    "streaming_llm": ("StreamingLLMPress", {}),
+    "observed_attention": ("ObservedAttentionPress", {}),
+}
+
+
 def make_press(method: str, kept: float):
-    """kvpress press for ``method`` keeping the fraction ``kept`` (compression_ratio = 1 - kept)."""
+    """kvpress press for ``method`` keeping the fraction ``kept`` (compression_ratio = 1 - kept); None: full cache."""
     import kvpress
 
-    ratio = round(1.0 - kept, 6)
     if method == "none":
         return None
-    if method == "kvzip":
-        return kvpress.KVzipPress(compression_ratio=ratio)  # defaults: global (not layerwise), n_sink 4, chunk 2048
-    if method == "snapkv":
-        return kvpress.SnapKVPress(compression_ratio=ratio, window_size=8, kernel_size=7)  # our settings
-    if method == "snapkv-default":
-        return kvpress.SnapKVPress(compression_ratio=ratio)  # kvpress defaults: window 64, kernel 5
-    if method == "expected_attention":
-        return kvpress.ExpectedAttentionPress(compression_ratio=ratio)
-    if method == "tova":
-        return kvpress.TOVAPress(compression_ratio=ratio)
-    if method == "keydiff":
-        return kvpress.KeyDiffPress(compression_ratio=ratio)
-    if method == "knorm":
-        return kvpress.KnormPress(compression_ratio=ratio)
-    if method == "streaming_llm":
-        return kvpress.StreamingLLMPress(compression_ratio=ratio)
-    if method == "observed_attention":
-        return kvpress.ObservedAttentionPress(compression_ratio=ratio)
-    raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
+    if method not in PRESSES:
+        raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
+    name, arguments = PRESSES[method]
+    return getattr(kvpress, name)(compression_ratio=round(1.0 - kept, 6), **arguments)
 
 
 # ----------------------------------------------------------------------------------------------------------------
