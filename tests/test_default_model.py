@@ -8,6 +8,7 @@ does not depend on the processor) on seeded prompts of ~1,000 tokens, built by t
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -114,3 +115,38 @@ def test_snapkv_at_20_percent_keeps_retrieval(default_model):
     assert correct["full"] >= 0.8 * len(samples), correct
     assert correct["snapkv-norm_sum"] >= 0.9 * correct["full"], correct
     assert correct["snapkv-norm_sum"] > correct["start+recent"], correct
+
+
+@pytest.mark.slow
+@needs_model
+def test_kvzip_keeps_ruler_needles_when_the_context_is_compressed_first(default_model, tmp_path):
+    """RULER niah_single_1 (NVIDIA's generator, 1,024 tokens, 8 samples), the context compressed to 20 % before
+    the question is seen: KVzip answers as the full cache does, StreamingLLM does not (calibrated in bfloat16
+    and float32: full 8, KVzip 8, StreamingLLM 1, SnapKV 0)."""
+    from ruler.chat import encode_prompt
+    from ruler.generate import RulerUnavailableError, generate
+    from ruler.prompts import split_input
+
+    from kvcompress import compress
+
+    model, tokenizer = default_model
+    try:
+        result = generate("default", "niah_single_1", 1024, 8, 42, tmp_path)
+    except RulerUnavailableError as error:
+        pytest.skip(f"RULER's generator is not installed: {error}")
+    correct = {"full": 0, "kvzip": 0, "streaming_llm": 0}
+    for line in result.path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        prompt = encode_prompt(tokenizer, split_input("niah_single_1", record["input"]), "context_first")
+        ids = torch.tensor([prompt.input_ids])
+        context, question = ids[:, : prompt.prefill_length], ids[:, prompt.prefill_length :]
+        full = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        correct["full"] += record["outputs"][0] in tokenizer.decode(full[0, ids.shape[1] :])
+        for method in ("kvzip", "streaming_llm"):
+            with compress(model, method=method, budget=0.2, tokenizer=tokenizer) as session:
+                session.prefill(context)
+                answer = session.generate(question, max_new_tokens=12)
+            correct[method] += record["outputs"][0] in tokenizer.decode(answer[0])
+    assert correct["full"] >= 7, correct
+    assert correct["kvzip"] >= correct["full"] - 1, correct
+    assert correct["kvzip"] >= correct["streaming_llm"] + 5, correct
