@@ -365,8 +365,8 @@ class CompressionSession:
         reconstruct, self._reconstruct_due = self._reconstruct_due, False
         sequence.seen = sequence.seen + new_valid.sum(-1)
         sequence.total += new_valid.shape[-1]
-        self._share_layout()  # the forward's tokens joined every layer (and the prefill evicted some)
         if reconstruct:
+            self._share_layout()  # the passes' masks need the prompt's layout, which every layer now holds
             # as in _evict: only the sequences over budget evict now (and are reconstructed), as they would alone
             state = due[0][2]
             over = state.live > self._layer_budget(state) + self._eviction_slack(new_valid.shape[-1])
@@ -428,7 +428,7 @@ class CompressionSession:
         sequence's scored area from its own prompt's real tokens."""
         lengths = prompt_valid.sum(-1).tolist()
         params = self._prompt_parameters(max(lengths))
-        if params.scorer is not type(self.scorer) or params != self.parameters:
+        if params != self.parameters:
             self.parameters, self.scorer = params, params.scorer(params)
             self.scorer.bind(self.model, self.tokenizer)
         windows = params.start_size + params.recent_size
@@ -627,10 +627,14 @@ class CompressionSession:
         units = self.parameters.intermediate_size // self.parameters.unit_size
         return torch.full(state.slot_valid.shape[:1], units, dtype=torch.long, device=state.slot_valid.device)
 
+    def _budget(self, scored_units: torch.Tensor) -> torch.Tensor:
+        """Slots kept for a scored area of ``scored_units`` units: the windows plus the scored slots."""
+        params = self.parameters
+        return params.start_size + params.recent_size + scored_units * params.unit_size
+
     def _layer_budget(self, state: LayerState) -> torch.Tensor:
         """(B,) slots the layer keeps per sequence."""
-        params = self.parameters
-        return params.start_size + params.recent_size + self._scored_units(state) * params.unit_size
+        return self._budget(self._scored_units(state))
 
     def _evict(self, layers: list[tuple[nn.Module, Any, LayerState]], slack: float, allocate: bool = False) -> None:
         """Compact ``layers`` (module, cache layer, state) with one selection for all of them.
@@ -652,19 +656,17 @@ class CompressionSession:
                        for _, layer, state in layers], 0.0)
         value_norms = rows([state.value_norms for state in states], 0.0) if states[0].value_norms is not None else None
         batch = slot_rows.shape[0] // len(layers)
-        budgets = torch.cat([self._layer_budget(state) for state in states])
+        live = slot_rows.sum(-1)
+        units = torch.cat([self._scored_units(state) for state in states])
         if allocate:  # only the sequences that evict now take their share, as each would alone
-            evicting = slot_rows.sum(-1) > budgets + slack
-            current = torch.cat([self._scored_units(state) for state in states])
-            totals = current.view(len(layers), batch).sum(0)  # per sequence, what the layers hold together
-            units = torch.where(evicting, global_scored_units(scores, slot_rows, self.parameters, totals), current)
+            totals = units.view(len(layers), batch).sum(0)  # per sequence, what the layers hold together
+            shares = global_scored_units(scores, slot_rows, self.parameters, totals)
+            units = torch.where(live > self._budget(units) + slack, shares, units)
             for number, state in enumerate(states):
                 state.scored_units = units[number * batch : (number + 1) * batch]
-            budgets = torch.cat([self._layer_budget(state) for state in states])
-        keep = select_keep_mask(scores, slot_rows, self.parameters, value_norms,
-                                torch.cat([self._scored_units(state) for state in states]))
+        keep = select_keep_mask(scores, slot_rows, self.parameters, value_norms, units)
         # Each sequence evicts on its own schedule (as it would alone); padding only makes the batch wider.
-        keep = torch.where((slot_rows.sum(-1) > budgets + slack)[:, None], keep, slot_rows)
+        keep = torch.where((live > self._budget(units) + slack)[:, None], keep, slot_rows)
         self.timings["selection"] += time.perf_counter() - started
         started = time.perf_counter()
         for number, (module, layer, state) in enumerate(layers):
