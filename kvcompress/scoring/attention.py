@@ -141,7 +141,7 @@ def observed_attention(
         if output is not None:
             chunk_output = torch.matmul(logits, values_f32[..., :visible, :])
             if not maximum:
-                chunk_output.mul_(inverse.unsqueeze(-1).to(values.dtype))
+                chunk_output.mul_(inverse.unsqueeze(-1))  # both float32 now: no rounding of the normaliser
             output[:, start:stop] = chunk_output.to(values.dtype).view(
                 batch, kv_heads, groups, rows_in_chunk, head_dim
             ).permute(0, 3, 1, 2, 4)
