@@ -221,3 +221,48 @@ def make_samples(
     return [
         make_sample(task, length, depth, seed, tokenizer) for task in tasks for length in lengths for depth in depths
     ]
+
+
+@dataclass(frozen=True)
+class ChatSample:
+    """A two-turn chat: the first user turn gives the text (no question), the second asks; ``first_turn_ids`` is
+    the chat-formatted first turn, ready for the assistant's reply."""
+
+    first_turn_ids: tuple[int, ...]
+    question: str
+    answer_prefix: str
+    answers: tuple[str, ...]
+
+    def is_correct(self, generated: str) -> bool:
+        return all(answer.lower() in generated.lower() for answer in self.answers)
+
+
+CHAT_INSTRUCTION = "Read the text below carefully. I will ask you a question about it in my next message.\n\n"
+
+
+def make_chat_sample(task: str, length: int, depth: float, seed: int, tokenizer: PreTrainedTokenizerBase) -> ChatSample:
+    """``task``'s needle in a first turn of about ``length`` tokens, its question saved for the second turn."""
+    spec = TASKS[task](random.Random(f"chat/{task}/{length}/{depth}/{seed}"), depth)
+    average = sum(len(tokenizer(" " + s, add_special_tokens=False)["input_ids"]) for s in FILLER) / len(FILLER)
+    haystack = _haystack(random.Random(seed), spec.needles, max(1, round(length / average)))
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_INSTRUCTION + haystack}],
+                                         add_generation_prompt=True, tokenize=True, return_dict=True)
+    return ChatSample(tuple(chat["input_ids"]), spec.question, spec.answer_prefix, spec.answers)
+
+
+def next_turn_ids(tokenizer: PreTrainedTokenizerBase, history: Sequence[int], user: str, answer_prefix: str = "") -> list[int]:
+    """``history`` (a prompt and the reply ``generate`` returned) followed by the next user turn and the opening
+    of the assistant's answer, in the tokenizer's chat template.
+
+    The turn change is taken from the template itself: the text it puts between an assistant reply and the next
+    user turn's generation prompt. A reply that ended with the end-of-turn token already holds its first token.
+    """
+    marker = "\u2063REPLY\u2063"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "."}, {"role": "assistant", "content": marker}, {"role": "user", "content": user}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    change = rendered[rendered.index(marker) + len(marker):]
+    if history and history[-1] == tokenizer.eos_token_id and change.startswith(tokenizer.eos_token):
+        change = change[len(tokenizer.eos_token):]
+    return list(history) + tokenizer(change + answer_prefix, add_special_tokens=False)["input_ids"]

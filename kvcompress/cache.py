@@ -1,7 +1,17 @@
-"""Compacting transformers cache layers in place, and measuring caches.
+"""The compressed cache, in transformers' own cache API, and measuring caches.
 
-A ``DynamicLayer`` is a pair of growing tensors; reassigning them to a gathered subset shrinks the layer and
-everything downstream (``get_seq_length``, mask sizes) follows the physical length.
+A compressed full-attention layer (``CompressedLayer``) stores a chosen subset of the tokens it has seen, in their
+original order, together with their eviction state (``LayerState``: scores, counters, positions, slot validity).
+Like transformers' ``DynamicSlidingWindowLayer``, whose window also holds fewer tokens than were seen, it reports
+the true number of tokens seen (``get_seq_length``), so ``generate`` slices a resumed prompt and numbers positions
+exactly as for an uncompressed cache, and it answers the mask sizes of its physical layout: ``kv_offset`` maps its
+slots onto the end of the sequence, so the newest slots (this forward's tokens) line up with their queries and
+every kept slot, being older, stays visible. Which kept slots hold live tokens (left padding) is the layer's
+``state.slot_valid``; the session turns it into the 2-D mask transformers reads (see ``compressor.py``).
+
+Sliding-window layers keep transformers' own class: they are bounded already. A ``DynamicCache`` passed in empty
+is adopted (its full-attention layers become compressed layers); the cache then works without the session too,
+as a plain cache that keeps what it holds and grows.
 """
 
 from __future__ import annotations
@@ -9,9 +19,85 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from .state import LayerState, gather_slots
 
-def check_supported_cache(cache: object) -> None:
-    """Refuse caches that cannot shrink or that store something other than plain key/value tensors."""
+
+class CompressedLayer(DynamicLayer):
+    """A full-attention cache layer that keeps a subset of the tokens seen, and owns their eviction state."""
+
+    is_croppable = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.cumulative_length = 0  # tokens seen, padding included: the length of generate's 2-D mask
+        self.state: LayerState | None = None  # None until the layer's first forward under a session
+
+    @property
+    def physical_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        self.cumulative_length += key_states.shape[-2]
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset): the physical slots plus the new tokens, mapped onto the sequence's end."""
+        physical = self.physical_length
+        return physical + query_length, self.cumulative_length - physical
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "kvcompress: a compressed cache cannot be cropped (assisted / speculative decoding and cache cropping "
+            "assume every token is still cached)"
+        )
+
+    def keep(self, index: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keep only the slots ``index`` (B, K), in that order; ``valid`` (B, K) marks which hold live tokens."""
+        self.keys = gather_slots(self.keys, index)
+        self.values = gather_slots(self.values, index)
+        self.state.gather(index)
+        self.state.slot_valid = valid
+
+    def drop_newest(self, count: int) -> None:
+        """Forget the last ``count`` slots, as if never seen (a context-reconstruction pass's own tokens)."""
+        kept = self.physical_length - count
+        self.keys = self.keys[..., :kept, :].contiguous()
+        self.values = self.values[..., :kept, :].contiguous()
+        self.cumulative_length -= count
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.state is not None:
+            rows = torch.arange(self.state.slot_valid.shape[0], device=self.state.slot_valid.device)
+            self._select_rows(rows.repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._select_rows(torch.as_tensor(indices))
+
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        if self.state is not None:
+            self.state.reorder(rows)
+
+    def reset(self) -> None:
+        super().reset()
+        self.state = None
+
+
+def adopt_cache(cache: object, compressed_layers: list[int], num_layers: int) -> None:
+    """Make ``cache``'s full-attention layers compressed layers, or refuse a cache that cannot be compressed.
+
+    A layer already compressed stays as it is (a cache resumed from an earlier forward or session); an empty
+    ``DynamicLayer`` is replaced; a filled one was filled without scores, and is refused.
+    """
     if not isinstance(cache, DynamicCache) or getattr(cache, "offloading", False):
         kind = type(cache).__name__ + (" with offloading" if getattr(cache, "offloading", False) else "")
         raise ValueError(
@@ -19,30 +105,26 @@ def check_supported_cache(cache: object) -> None:
             "quantized and offloaded caches cannot be compacted in place. Pass no cache (or "
             "past_key_values=DynamicCache(config=model.config)) and leave cache_implementation unset."
         )
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer and not getattr(layer, "is_sliding", False):
-            raise ValueError(
-                f"kvcompress cannot compact a {type(layer).__name__} cache layer; use a plain DynamicCache"
-            )
+    if cache.layer_class_to_replicate is not None:  # built without a config: its layers appear lazily
+        if any(layer.get_seq_length() for layer in cache.layers):
+            raise ValueError(_FILLED_OUTSIDE)
+        cache.layers[:] = [DynamicLayer() for _ in range(num_layers)]
+        cache.layer_class_to_replicate = None
+    for index in compressed_layers:
+        layer = cache.layers[index]
+        if isinstance(layer, CompressedLayer):
+            continue
+        if type(layer) is not DynamicLayer:
+            raise ValueError(f"kvcompress cannot compress a {type(layer).__name__} cache layer; use a DynamicCache")
+        if layer.get_seq_length():
+            raise ValueError(_FILLED_OUTSIDE)
+        cache.layers[index] = CompressedLayer()
 
 
-def gather_slots(tensor: torch.Tensor, keep: torch.Tensor, dim: int = -2) -> torch.Tensor:
-    """Select slots ``keep`` (B, K) along ``dim`` of a (B, ..., T, ...) tensor.
-
-    One sequence takes ``index_select`` (measured 2-3 × faster on CPU than ``gather`` with an expanded index);
-    a batch, whose rows keep different slots, takes ``gather``.
-    """
-    if keep.shape[0] == 1:
-        return tensor.index_select(dim, keep[0])
-    dim = dim % tensor.dim()
-    shape = [1] * tensor.dim()
-    shape[0], shape[dim] = keep.shape
-    return tensor.gather(dim, keep.view(shape).expand(*tensor.shape[:dim], -1, *tensor.shape[dim + 1 :]))
-
-
-def compact_layer(layer: DynamicLayer, keep: torch.Tensor) -> None:
-    layer.keys = gather_slots(layer.keys, keep)
-    layer.values = gather_slots(layer.values, keep)
+_FILLED_OUTSIDE = (
+    "kvcompress: this cache was filled outside the compressor, so nothing scored its tokens; start generation inside "
+    "the `with compressor(model):` block with an empty cache (or none)"
+)
 
 
 def _filled_layers(cache: Cache):

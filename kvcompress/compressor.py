@@ -1,19 +1,23 @@
-"""The context manager: attaches hooks to a model, owns the per-layer state, and detaches on exit or error.
+"""The context manager: routes a model's attention through the scorer and evicts, and detaches on exit or error.
 
-Data flow of one forward: the decoder pre-hook fixes the inputs for the compacted cache (true or compact
-position ids, a 2-D mask in the physical slot layout); each full-attention module's attention call goes through
-the session (``attention_function``), which hands it to the scorer of ``algorithm`` (``scoring/registry.py``):
-the scorer reads the module's own queries and keys (computing the attention output in the same pass where that
-is cheaper); the module's forward hook combines the scores into its layer state and, once the layer is over
-budget, evicts (gather + optional rerotation); the decoder post-hook commits the new slot layout that every
-layer now shares. A scorer that reconstructs the context (KVzip) defers a prompt's eviction: the post-hook
-first runs its reconstruction passes over the full cache, then evicts every layer at once.
+The state lives in the cache (``cache.py``: compressed layers own their slots' scores, positions and layout, and
+report the true sequence length), so ``generate`` resumes a compressed cache like any other: a chat's next turn,
+chunked prefill, questions on a copy of one compressed document. The session holds only the forward in flight.
+
+Data flow of one forward: the decoder pre-hook adopts the cache (its full-attention layers become compressed
+layers), and gives the forward the 2-D mask of the layers' physical layout (left padding, filler) and, with
+``rerotate_keys``, compact positions; each full-attention module's attention call goes through the session
+(``attention_function``), which hands it to the scorer of ``algorithm`` (``scoring/registry.py``): the scorer
+reads the module's own queries and keys (computing the attention output in the same pass where that is
+cheaper), the session combines the scores into the layer's state and, once the layer is over budget, evicts
+(gather + optional rerotation). Evictions that need every layer's scores (a decode step's, a global budget's)
+wait for the decoder post-hook; a scorer that reconstructs the context (KVzip) has the post-hook first run its
+reconstruction passes over the full cache, then evict every layer at once.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 import weakref
 from collections import defaultdict
@@ -25,20 +29,16 @@ from transformers.cache_utils import DynamicCache
 
 from . import attention_function
 from .adapters import ModelLayout, inspect_model, value_projection_weight
-from .cache import check_supported_cache, compact_layer
+from .cache import CompressedLayer, adopt_cache
 from .parameters import KVCacheCompressionParameters
 from .rerotation import check_rerotation_supported, rotate_keys
 from .scoring.attention import observation_counts
 from .scoring.base import AttentionCall
 from .scoring.value_norm import projected_value_l1
 from .selection.windows import global_scored_units, left_aligned_indices, select_keep_mask
-from .state import LayerState, SequenceState
+from .state import ForwardState, LayerState
 
 _ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-_RESUME_HINT = (
-    "generate() cannot resume from a compressed cache (it slices the prompt by the physical cache length); "
-    "continue with model(new_tokens, cache=...) calls, or start a fresh generate."
-)
 
 
 class KVCacheCompressor:
@@ -120,22 +120,23 @@ class CompressionSession:
         self._prompt_budget, self._prompt_parameters = prompt_budget, prompt_parameters
         self._row_units: torch.Tensor | None = None  # per-sequence scored areas of a fractional budget
         self.layout: ModelLayout | None = None
-        self.sequence: SequenceState | None = None
-        self.layers: dict[int, LayerState] = {}
+        self.cache: DynamicCache | None = None  # the cache of the latest forward (its layers own their state)
+        self.evictions = 0  # forwards of the cache's sequence that evicted
+        self._forward: ForwardState | None = None  # the forward in flight
+        self._attended = 0  # compressed layers of the forward in flight that ran the session's attention
         self.timings: dict[str, float] = defaultdict(float)
         self._handles: list[Any] = []
-        # (B, T) the slot layout every compressed layer shares, or None once their budgets (and lengths) differ
-        self._shared_layout: torch.Tensor | None = None
-        self._forward_layout: tuple[torch.Tensor, bool] | None = None  # shared layout + this forward's, all live
-        self._scored: dict[int, torch.Tensor | None] = {}
+        # the layout every compressed layer shares, with this forward's tokens, and whether it is all live; None
+        # when the layers' layouts differ (budgets of their own)
+        self._forward_layout: tuple[torch.Tensor, bool] | None = None
         # evictions run when the forward ends: a decode step's (all layers at once), a reconstructed prompt's
-        self._due: list[tuple[nn.Module, Any, LayerState]] = []
+        self._due: list[tuple[nn.Module, CompressedLayer]] = []
         self._reconstruct_due = False
         self._replaying = False  # inside a context-reconstruction pass (KVzip): nothing joins the sequence
         self._forward_tokens: torch.Tensor | None = None  # the current forward's ids, for reconstruction
         self._restore_attention = None
         self._observation: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # see _observe
-        self._context: tuple[DynamicCache, tuple] | None = None  # a prefilled context and its snapshot
+        self._context: tuple[DynamicCache, torch.Tensor] | None = None  # a prefilled context and its 2-D mask
         self._evicting = True  # False while generate() answers after a prefilled context
 
     # ------------------------------------------------------------------ lifecycle
@@ -162,8 +163,6 @@ class CompressionSession:
             )
             self._handles.append(layout.decoder.register_forward_hook(self._after_decoder, with_kwargs=True))
             compressed = [m for i, m in enumerate(layout.attention_modules) if i not in layout.sliding_layers]
-            for module in compressed:
-                self._handles.append(module.register_forward_hook(self._after_attention, with_kwargs=True))
             self._restore_attention = attention_function.install(compressed, self._attend)
         except BaseException:
             self._detach()
@@ -193,12 +192,9 @@ class CompressionSession:
         if self._restore_attention is not None:
             self._restore_attention()
             self._restore_attention = None
-        self.sequence = None
-        self.layers.clear()
-        self._scored.clear()
+        self.cache = self._forward = self._forward_layout = self._forward_tokens = self._context = None
         self._due.clear()
         self._reconstruct_due = self._replaying = False
-        self._shared_layout = self._forward_layout = self._forward_tokens = self._context = None
         _ACTIVE_MODELS.discard(self.model)
 
     # ------------------------------------------------------------------ compress a context once, ask after
@@ -206,12 +202,14 @@ class CompressionSession:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DynamicCache:
         """Run a context through the model and compress it, before any question is seen (query-agnostic).
 
-        Questions then follow with ``generate``, each on the same compressed context. ``attention_mask``
+        Questions then follow with ``generate``, each on its own copy of the compressed context. ``attention_mask``
         (B, T) marks real tokens of a left-padded batch. Returns the compressed cache.
         """
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True, logits_to_keep=1)
-        self._context = cache, self._snapshot(cache)
+        self.model(input_ids=input_ids, attention_mask=mask, position_ids=_positions_from_mask(mask), cache=cache,
+                   use_cache=True, logits_to_keep=1)
+        self._context = cache, mask
         return cache
 
     @torch.no_grad()
@@ -225,67 +223,50 @@ class CompressionSession:
         """Greedy answer (B, ≤ max_new_tokens) to ``input_ids`` (a question, and the answer's opening) that follow
         the context given to ``prefill``, at their true positions.
 
-        As in the query-agnostic protocol of KVzip and kvpress, the question and the answer are not compressed;
-        afterwards the context is restored exactly as ``prefill`` left it, so every question sees the same
-        compressed context and no other question. Finished sequences are padded with their end token.
+        As in the query-agnostic protocol of KVzip and kvpress, the question and the answer are not compressed.
+        Each question runs plain ``generate`` on a copy of the compressed context (``copy.deepcopy(cache)``: the
+        cache owns its state), so every question sees the same compressed context and no other question.
+        Finished sequences are padded with their end token.
         """
         if self._context is None:
             raise RuntimeError("kvcompress: call session.prefill(context_ids) before session.generate(question_ids)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        cache, snapshot = self._context
+        context, context_mask = self._context
         eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
-        eos = torch.tensor(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos],
-                           device=input_ids.device)
-        batch = input_ids.shape[0]
+        eos = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
         new_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-        seen_mask = torch.ones(batch, self.sequence.total, dtype=new_mask.dtype, device=new_mask.device)
-        mask = torch.cat([seen_mask, new_mask], dim=-1)
-        finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
-        answer = []
         self._evicting = False
         try:
-            step_ids = input_ids
-            for _ in range(max_new_tokens):
-                logits = self.model(input_ids=step_ids, attention_mask=mask, cache=cache, use_cache=True,
-                                    logits_to_keep=1).logits
-                token = logits[:, -1].argmax(-1)
-                if answer and eos.numel():
-                    token = torch.where(finished, answer[-1], token)
-                answer.append(token)
-                finished |= torch.isin(token, eos)
-                if bool(finished.all()):
-                    break
-                step_ids = token[:, None]
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            sequences = self.model.generate(
+                input_ids=input_ids, attention_mask=torch.cat([context_mask, new_mask.to(context_mask)], dim=-1),
+                cache=copy.deepcopy(context), max_new_tokens=max_new_tokens,
+                min_new_tokens=0 if eos else max_new_tokens, do_sample=False, num_beams=1,
+                eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
+            )
         finally:
             self._evicting = True
-            self._restore(cache, snapshot)
-        return torch.stack(answer, dim=-1)
-
-    def _snapshot(self, cache: DynamicCache) -> tuple:
-        """What ``_restore`` needs: cache updates replace the layers' tensors (never write into them), the
-        session's per-sequence facts are replaced too, only the layer states grow in place."""
-        return ([_layer_snapshot(layer) for layer in cache.layers], dataclasses.replace(self.sequence),
-                copy.deepcopy(self.layers), self._shared_layout)
-
-    def _restore(self, cache: DynamicCache, snapshot: tuple) -> None:
-        layers, sequence, states, self._shared_layout = snapshot
-        for layer, saved in zip(cache.layers, layers):
-            layer.__dict__.update(saved)
-        self.sequence = dataclasses.replace(sequence)
-        self.layers = copy.deepcopy(states)
+        return sequences[:, input_ids.shape[1]:]
 
     @property
     def compressed_layers(self) -> list[int]:
         return [i for i in range(len(self.layout.attention_modules)) if i not in self.layout.sliding_layers]
 
+    @property
+    def layers(self) -> dict[int, LayerState]:
+        """The eviction state of each compressed layer of the latest cache the session ran on."""
+        if self.cache is None:
+            return {}
+        return {index: self.cache.layers[index].state for index in self.compressed_layers
+                if index < len(self.cache.layers) and getattr(self.cache.layers[index], "state", None) is not None}
+
     # ------------------------------------------------------------------ decoder hooks
     def _before_decoder(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not self.compressed_layers:
             return None
+        replay = self._replaying
         tokens = kwargs.get("input_ids", args[0] if args else None)
-        if not self._replaying:
+        if not replay:
             self._forward_tokens = tokens  # None when the caller gives embeddings
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
@@ -299,103 +280,92 @@ class CompressionSession:
             use_cache = getattr(module.config, "use_cache", True)
         if cache is None:
             if not use_cache:
-                self.sequence = None
+                self._forward = None
                 return None
             cache = DynamicCache(config=module.config)
             kwargs[cache_key] = cache
-        if self.sequence is None or self.sequence.cache_id != id(cache):  # a cache not yet vetted
-            check_supported_cache(cache)
-        physical = self._physical_length(cache)
+        adopt_cache(cache, self.compressed_layers, len(self.layout.attention_modules))
+        self.cache = cache
+        seen = cache.get_seq_length()
+        states = [cache.layers[index].state for index in self.compressed_layers]
+        if states[0] is not None and states[0].slot_valid.shape[0] != batch:
+            raise ValueError(
+                f"kvcompress: the cache holds {states[0].slot_valid.shape[0]} sequences, the input {batch}; continue "
+                "a compressed cache with the same batch"
+            )
         device = tokens.device
-        if physical == 0:
-            self._start_sequence(cache, batch, device)
-        self._check_in_sync(cache, batch)
-        sequence = self.sequence
-
         mask = kwargs.get("attention_mask")
-        new_valid = self._new_token_validity(mask, batch, length, sequence.total, physical, device)
-        if physical == 0 and self._prompt_parameters is not None:
-            self._fit_budget(new_valid)
-        offsets = new_valid.long().cumsum(-1) - 1
-        true_positions = (sequence.seen[:, None] + offsets).clamp(min=0)
+        new_valid = self._new_token_validity(mask, batch, length, seen, device)
+        if seen == 0:
+            self.evictions = 0
+            if self._prompt_parameters is not None:
+                self._fit_budget(new_valid)
         given = kwargs.get("position_ids")
-        if given is not None and sequence.evictions:  # the cache no longer tells positions
-            self._check_true_positions(given.expand(batch, -1), true_positions, new_valid)
+        # without position ids transformers numbers the new tokens after the cache's true length, as we do
+        true_positions = given.expand(batch, -1) if given is not None else (
+            seen + torch.arange(length, device=device)).expand(batch, -1)
+        positions = true_positions
         if self.parameters.rerotate_keys:  # every layer keeps the same slots' count: one compact position each
-            positions = (self._shared_layout.sum(-1)[:, None] + offsets).clamp(min=0)
-            kwargs["position_ids"] = positions
-        elif given is None:
-            positions = true_positions
-            kwargs["position_ids"] = positions
-        else:
-            positions = given.expand(batch, -1)
+            live = states[0].live if states[0] is not None else torch.zeros(batch, dtype=torch.long, device=device)
+            positions = (live[:, None] + new_valid.long().cumsum(-1) - 1).clamp(min=0)
+        kwargs["position_ids"] = positions
         self._forward_layout = None
-        compact = None  # layers of different lengths: the session's attention function masks each (_layer_layout)
-        if self._shared_layout is not None:  # one 2-D mask in the physical layout serves every layer
-            layout = torch.cat([self._shared_layout, new_valid], dim=-1)
+        compact = None  # layers of different layouts: the session's attention function masks each (_layer_layout)
+        shared = _shared_layout(states, batch, device)
+        if shared is not None:  # one 2-D mask in the physical layout serves every layer
+            layout = torch.cat([shared, new_valid], dim=-1)
             self._forward_layout = layout, bool(layout.all())
-            compact = layout.to(mask.dtype if mask is not None else torch.long)
+            # transformers reads the mask at kv_offset + slot (CompressedLayer.get_mask_sizes): pad it on the left
+            padding = torch.ones(batch, seen - shared.shape[-1], dtype=torch.bool, device=device)
+            compact = torch.cat([padding, layout], dim=-1).to(mask.dtype if mask is not None else torch.long)
         if self._forward_layout is not None and self._forward_layout[1]:
             kwargs["attention_mask"] = None
         elif self.layout.sliding_layers:
             kwargs["attention_mask"] = _per_layer_type_masks(module, tokens, mask, compact, cache, positions)
         else:
             kwargs["attention_mask"] = compact
-        sequence.forward_valid = new_valid
-        sequence.forward_positions = positions.to(torch.long)
-        sequence.forward_true_positions = true_positions
-        if not self._replaying:  # what an earlier forward that failed half-way may have left
+        self._forward = ForwardState(valid=new_valid, positions=positions.to(torch.long),
+                                     true_positions=true_positions.to(torch.long), replay=replay)
+        if not replay:  # what an earlier forward that failed half-way may have left
             self._due.clear()
-            sequence.evicting = False
             self._reconstruct_due = False
-        self._scored.clear()
+        self._attended = 0
         self._observation.clear()
         return args, kwargs
 
     def _after_decoder(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        sequence = self.sequence
-        if sequence is None or sequence.forward_valid is None:
-            return
-        new_valid = sequence.forward_valid
-        sequence.forward_valid = sequence.forward_positions = sequence.forward_true_positions = None
+        forward, self._forward = self._forward, None
         self._forward_layout = None
-        if self._replaying:  # a reconstruction pass: its tokens were dropped layer by layer
+        if forward is None or forward.replay:  # a reconstruction pass: its tokens were dropped layer by layer
             return
+        if self._attended != len(self.compressed_layers):
+            raise RuntimeError(
+                f"kvcompress: {len(self.compressed_layers) - self._attended} compressed layers ran without the "
+                "session's attention function (was config._attn_implementation changed inside the `with` block?)"
+            )
         due, self._due = self._due, []
         reconstruct, self._reconstruct_due = self._reconstruct_due, False
-        sequence.seen = sequence.seen + new_valid.sum(-1)
-        sequence.total += new_valid.shape[-1]
+        slack = self._eviction_slack(forward.valid.shape[-1])
         if reconstruct:
-            self._share_layout()  # the passes' masks need the prompt's layout, which every layer now holds
             # as in _evict: only the sequences over budget evict now (and are reconstructed), as they would alone
-            state = due[0][2]
-            over = state.live > self._layer_budget(state) + self._eviction_slack(new_valid.shape[-1])
-            self._reconstruct(kwargs.get("cache", kwargs.get("past_key_values")), self._forward_tokens,
-                              new_valid & over[:, None])
+            state = due[0][1].state
+            over = state.live > self._layer_budget(state) + slack
+            self._reconstruct(self.cache, self._forward_tokens, forward, forward.valid & over[:, None])
         self._forward_tokens = None
         if due:  # a decode step's evictions, or a prompt's whose layers share one budget or were reconstructed
-            self._evict(due, self._eviction_slack(new_valid.shape[-1]),
-                        allocate=new_valid.shape[-1] > 1 and self.parameters.budget_allocation == "global")
-        self._share_layout()
-        sequence.evictions += sequence.evicting
-        sequence.evicting = False
+            self._evict(due, slack, allocate=forward.valid.shape[-1] > 1 and self.parameters.budget_allocation == "global")
+        self.evictions += forward.evicted or bool(due)
 
-    def _share_layout(self) -> None:
-        """The layout of every compressed layer when they all agree (the usual case), else None."""
-        layouts = [self.layers[index].slot_valid for index in self.compressed_layers if index in self.layers]
-        first = layouts[0] if layouts else None
-        same = first is not None and all(l.shape == first.shape and torch.equal(l, first) for l in layouts[1:])
-        self._shared_layout = first if same else None
-
-    def _reconstruct(self, cache: DynamicCache, tokens: torch.Tensor | None, selected: torch.Tensor) -> None:
+    def _reconstruct(self, cache: DynamicCache, tokens: torch.Tensor | None, forward: ForwardState,
+                     selected: torch.Tensor) -> None:
         """Run the scorer's context-reconstruction passes (KVzip) over the full cache of this prompt.
 
-        Each pass is a forward of the decoder on top of the cache, at the positions that would follow the
-        prompt; each sequence of a batch reconstructs its own ``selected`` tokens (left-padded to the longest;
-        none for a sequence that fits its budget, which evicts nothing now, as it would alone). The
-        compressed layers drop the pass's slots right after their attention (``_after_attention``), so each
-        pass sees only the prompt and at most one layer at a time holds the extra chunk; sliding-window layers,
-        which would push prompt tokens out of their window, are restored afterwards.
+        Each pass is a forward of the decoder on top of the cache, at the positions that follow the prompt; each
+        sequence of a batch reconstructs its own ``selected`` tokens (left-padded to the longest; none for a
+        sequence that fits its budget, which evicts nothing now, as it would alone). The compressed layers drop
+        the pass's slots right after their attention (``_record``), so each pass sees only the prompt and at most
+        one layer at a time holds the extra chunk; sliding-window layers, which would push prompt tokens out of
+        their window, are restored afterwards.
         """
         if tokens is None:
             raise ValueError(
@@ -404,6 +374,7 @@ class CompressionSession:
             )
         started = time.perf_counter()
         context = [row[valid].tolist() for row, valid in zip(tokens, selected.to(tokens.device))]
+        following = forward.true_positions[:, -1:] + 1  # the prompt's last token is real (left padding)
         sliding = {index: _layer_snapshot(cache.layers[index]) for index in self.layout.sliding_layers
                    if index < len(cache.layers)}
         self._replaying = True
@@ -414,9 +385,11 @@ class CompressionSession:
                     ids = torch.tensor([[0] * (width - len(row)) + row for row in rows], device=tokens.device)
                     real = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows],
                                         device=tokens.device)
-                    mask = torch.cat([torch.ones(len(rows), self.sequence.total, dtype=real.dtype,
+                    mask = torch.cat([torch.ones(len(rows), cache.get_seq_length(), dtype=real.dtype,
                                                  device=real.device), real], dim=-1)
-                    self.layout.decoder(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+                    positions = following.to(real.device) + (real.cumsum(-1) - 1).clamp(min=0)
+                    self.layout.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                        use_cache=True)
         finally:
             self._replaying = False
             for index, snapshot in sliding.items():
@@ -436,53 +409,9 @@ class CompressionSession:
             [max(0, self._prompt_budget(n) - windows) // params.unit_size for n in lengths], device=prompt_valid.device
         )
 
-    def _start_sequence(self, cache: DynamicCache, batch: int, device: torch.device) -> None:
-        self.layers.clear()
-        self.sequence = SequenceState(cache_id=id(cache), seen=torch.zeros(batch, dtype=torch.long, device=device))
-        self._shared_layout = torch.zeros(batch, 0, dtype=torch.bool, device=device)
-        _guard_cache(cache, self)
-
-    def _physical_length(self, cache: DynamicCache) -> int:
-        index = self.compressed_layers[0]
-        if index >= len(cache.layers):
-            return 0
-        return cache.layers[index].get_seq_length()
-
-    def _check_in_sync(self, cache: DynamicCache, batch: int) -> None:
-        sequence = self.sequence
-        in_sync = sequence is not None and sequence.cache_id == id(cache)
-        for index in self.compressed_layers if in_sync else ():
-            state = self.layers.get(index)
-            layer = cache.layers[index] if index < len(cache.layers) else None
-            length = layer.keys.shape[-2] if layer is not None and getattr(layer, "keys", None) is not None else 0
-            if (state.length if state is not None else 0) != length or (
-                    state is not None and state.slot_valid.shape[0] != batch):
-                in_sync = False
-                break
-        if not in_sync:
-            raise ValueError(
-                "kvcompress: this cache was filled outside the compressor or changed behind its back (cropped, "
-                "reordered, resized); start generation inside the `with compressor(model):` block with an empty "
-                "cache"
-            )
-
     @staticmethod
-    def _check_true_positions(given: torch.Tensor, expected: torch.Tensor, new_valid: torch.Tensor) -> None:
-        """After eviction the cache no longer tells positions; a caller's position ids must be the true ones."""
-        if not torch.equal(given.to(expected.device)[new_valid], expected[new_valid]):
-            raise ValueError(
-                f"position_ids {given[0, :4].tolist()}... do not continue the compressed sequence, which is at "
-                f"{expected[0, :4].tolist()}...; pass the true positions or none. {_RESUME_HINT}"
-            )
-
-    @staticmethod
-    def _new_token_validity(mask, batch: int, length: int, seen: int, cached: int, device) -> torch.Tensor:
-        """Which new tokens are real. A given 2-D mask must cover the whole sequence so far plus the new tokens.
-
-        A mask that only covers the cached slots is refused: that is what ``generate`` produces when it resumes
-        from a compressed cache (it slices the prompt by the physical cache length and would feed old tokens
-        again as new ones).
-        """
+    def _new_token_validity(mask, batch: int, length: int, seen: int, device) -> torch.Tensor:
+        """Which new tokens are real. A given 2-D mask must cover the whole sequence so far plus the new tokens."""
         if mask is None:
             return torch.ones(batch, length, dtype=torch.bool, device=device)
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -491,28 +420,34 @@ class CompressionSession:
                 "re-laid out after eviction"
             )
         if mask.shape[-1] != seen + length:
-            hint = f" {_RESUME_HINT}" if seen != cached else ""
             raise ValueError(
-                f"attention_mask covers {mask.shape[-1]} tokens, but the sequence has seen {seen} (of which "
-                f"{cached} are still cached) plus {length} new ones; pass a mask over all {seen + length}.{hint}"
+                f"attention_mask covers {mask.shape[-1]} tokens, but the sequence has seen {seen} plus {length} new "
+                f"ones; pass a mask over all {seen + length}"
             )
         return mask[:, -length:].to(device=device, dtype=torch.bool)
 
-    # ------------------------------------------------------------------ attention call and hook
+    # ------------------------------------------------------------------ attention call
     def _attend(self, module, query, key, value, attention_mask, original, **kwargs):
-        """The module's attention call: its output, and this forward's scores for the forward hook.
+        """The module's attention call: its output, with this forward's scores recorded (and eviction done).
 
         The scorer sees the module's own post-RoPE queries and the updated cache; where it computes the
         attention output in the same pass (H2O and decode steps, KVzip's reconstruction), the original function
         does not run. Training-mode calls (dropout) and calls that return attention weights always keep the
         original function for the output.
         """
-        sequence = self.sequence
-        if sequence is None or sequence.forward_valid is None:
+        forward = self._forward
+        if forward is None:
             return original(module, query, key, value, attention_mask, **kwargs)
         started = time.perf_counter()
+        layer = self.cache.layers[module.layer_idx]
+        state = self._layer_state(layer, key)
+        if state.length != key.shape[-2] - query.shape[2]:
+            raise RuntimeError(
+                f"kvcompress: layer {module.layer_idx} holds {key.shape[-2] - query.shape[2]} cached slots but its "
+                f"scores cover {state.length}; the cache was modified outside the compressor"
+            )
+        self._attended += 1
         output = head_scores = None
-        state = self._layer_state(module.layer_idx, key)
         layout, all_live = self._layer_layout(state)
         if self.parameters.intermediate_size > 0:  # else only fixed windows survive: scores are never read
             call = AttentionCall(
@@ -521,94 +456,80 @@ class CompressionSession:
                 softcap=kwargs.get("softcap"), all_live=all_live,
                 # the caller may want the original's weights (output_attentions) or its dropout
                 may_fuse=not kwargs.get("dropout") and not kwargs.get("output_attentions"),
-                positions=sequence.forward_positions, replay=self._replaying,
+                positions=forward.positions, replay=forward.replay,
             )
             head_scores, output = self.scorer.attend(call, state)
-        self._scored[module.layer_idx] = head_scores
-        if not self._replaying:  # a reconstruction pass is timed as a whole ("reconstruction")
+        if not forward.replay:  # a reconstruction pass is timed as a whole ("reconstruction")
             self.timings["attention_and_scoring" if output is not None else "scoring"] += time.perf_counter() - started
         if output is None:
             if self._forward_layout is None:  # this layer's own length: the decoder's mask cannot fit it
                 attention_mask = None if all_live and query.shape[2] == 1 else _additive_mask(layout, query)
-            return original(module, query, key, value, attention_mask, **kwargs)
-        return output, None
+            result = original(module, query, key, value, attention_mask, **kwargs)
+        else:
+            result = output, None
+        self._record(module, layer, head_scores)
+        return result
 
     def _layer_layout(self, state: LayerState) -> tuple[torch.Tensor, bool]:
         """This forward's slot layout of a layer (its cached slots, then the new tokens) and whether it is all
         live: the shared one when every layer has the same, else the layer's own."""
         if self._forward_layout is not None:
             return self._forward_layout
-        layout = torch.cat([state.slot_valid, self.sequence.forward_valid], dim=-1)
+        layout = torch.cat([state.slot_valid, self._forward.valid], dim=-1)
         return layout, bool(layout.all())
 
     def _observe(self, total: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The queries the scorer observes in this forward, and for accumulated attention their counts over
         ``total`` slots; computed once per forward and layer length (every layer's, unless budgets differ)."""
         if total not in self._observation:
-            observed = self.scorer.observed_queries(self.sequence.forward_valid, self._replaying)
+            observed = self.scorer.observed_queries(self._forward.valid, self._forward.replay)
             counts = None
             if observed is not None and self.scorer.combine == "add":
                 counts = observation_counts(observed, total)
             self._observation[total] = observed, counts
         return self._observation[total]
 
-    def _layer_state(self, index: int, keys: torch.Tensor) -> LayerState:
+    def _layer_state(self, layer: CompressedLayer, keys: torch.Tensor) -> LayerState:
         """The layer's state; a layer seen for the first time in a sequence (empty cache) starts empty."""
-        state = self.layers.get(index)
-        if state is None:
-            state = self.layers[index] = LayerState.empty(keys.shape[0], keys.shape[1], keys.device)
+        if layer.state is None:
+            layer.state = LayerState.empty(keys.shape[0], keys.shape[1], keys.device)
             if self._row_units is not None:
-                state.scored_units = self._row_units.clone()
-        return state
+                layer.state.scored_units = self._row_units.clone()
+        return layer.state
 
-    def _after_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        sequence = self.sequence
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if sequence is None or sequence.forward_valid is None or cache is None:
-            return
-        layer = cache.layers[module.layer_idx]
-        length = sequence.forward_valid.shape[-1]
-        total = layer.keys.shape[-2]
-        state = self._layer_state(module.layer_idx, layer.keys)
-        if state.length != total - length:
-            raise RuntimeError(
-                f"kvcompress: layer {module.layer_idx} holds {total - length} cached slots but its scores cover "
-                f"{state.length}; the cache was modified outside the compressor"
-            )
-        if module.layer_idx not in self._scored:
-            raise RuntimeError(
-                f"kvcompress: layer {module.layer_idx} ran without the session's attention function (was "
-                "config._attn_implementation changed inside the `with` block?)"
-            )
-        head_scores = self._scored.pop(module.layer_idx)
+    def _record(self, module: nn.Module, layer: CompressedLayer, head_scores: torch.Tensor | None) -> None:
+        """Combine a forward's scores into the layer's state and evict once the layer is over budget."""
+        forward, state = self._forward, layer.state
         started = time.perf_counter()
-        if self._replaying:  # the reconstruction's own slots leave the cache; only the scores remain
+        length = forward.valid.shape[-1]
+        if forward.replay:  # the reconstruction's own slots leave the cache; only the scores remain
             if head_scores is not None:
                 state.merge(head_scores, self.scorer.combine)
-            layer.keys = layer.keys[..., : total - length, :].contiguous()
-            layer.values = layer.values[..., : total - length, :].contiguous()
+            layer.drop_newest(length)
             return
         value_norms = None
         if self.parameters.refined_algorithm == "criticalkv":
             value_norms = projected_value_l1(
                 layer.values[:, :, -length:], value_projection_weight(module), module.num_key_value_groups
             )
+        total = layer.physical_length
         counts = self._observe(total)[1] if head_scores is not None else None
-        state.append(head_scores, counts, sequence.forward_positions, sequence.forward_true_positions,
-                     sequence.forward_valid, value_norms, combine=self.scorer.combine)
+        state.append(head_scores, counts, forward.positions, forward.true_positions, forward.valid, value_norms,
+                     combine=self.scorer.combine)
         self.timings["scoring"] += time.perf_counter() - started
         slack = self._eviction_slack(length)
         if total > float(self._layer_budget(state).min()) + slack:
             scored_later = self.scorer.reconstructs and self.parameters.intermediate_size > 0
             if length == 1:  # a decode step: every due layer is evicted at once when the forward ends
-                self._due.append((module, layer, state))
+                self._due.append((module, layer))
             elif scored_later or self.parameters.budget_allocation == "global":
                 # evicted with every layer when the forward ends: after the reconstruction passes that score it
                 # (KVzip), or when all layers' scores are known for one budget shared across layers
-                self._due.append((module, layer, state))
+                self._due.append((module, layer))
                 self._reconstruct_due = self._reconstruct_due or scored_later
             else:  # a prefill evicts right away, so that at most one layer at a time holds the whole prompt
-                self._evict([(module, layer, state)], slack)
+                self._evict([(module, layer)], slack)
+                forward.evicted = True
 
     def _eviction_slack(self, length: int) -> float:
         """How far past its budget a layer may grow before it evicts: 0 after a multi-token forward, the decode
@@ -636,8 +557,8 @@ class CompressionSession:
         """(B,) slots the layer keeps per sequence."""
         return self._budget(self._scored_units(state))
 
-    def _evict(self, layers: list[tuple[nn.Module, Any, LayerState]], slack: float, allocate: bool = False) -> None:
-        """Compact ``layers`` (module, cache layer, state) with one selection for all of them.
+    def _evict(self, layers: list[tuple[nn.Module, CompressedLayer]], slack: float, allocate: bool = False) -> None:
+        """Compact ``layers`` (module, cache layer) with one selection for all of them.
 
         Selection treats every (layer, sequence) row independently, so stacking the layers' rows (their layouts
         left-padded to the longest with dead slots) gives each layer exactly what it would get alone, for the
@@ -645,15 +566,15 @@ class CompressionSession:
         total by score (``budget_allocation="global"``), and each keeps its share from then on.
         """
         started = time.perf_counter()
-        states = [state for _, _, state in layers]
+        states = [layer.state for _, layer in layers]
         width = max(state.length for state in states)
 
         def rows(tensors: list[torch.Tensor], fill) -> torch.Tensor:  # left-pad the slot axis to ``width``
             return torch.cat([torch.nn.functional.pad(t, (width - t.shape[-1], 0), value=fill) for t in tensors])
 
         slot_rows = rows([state.slot_valid for state in states], False)
-        scores = rows([self.scorer.eviction_scores(state, layer.keys, layer.values, state.slot_valid)
-                       for _, layer, state in layers], 0.0)
+        scores = rows([self.scorer.eviction_scores(layer.state, layer.keys, layer.values, layer.state.slot_valid)
+                       for _, layer in layers], 0.0)
         value_norms = rows([state.value_norms for state in states], 0.0) if states[0].value_norms is not None else None
         batch = slot_rows.shape[0] // len(layers)
         live = slot_rows.sum(-1)
@@ -669,30 +590,33 @@ class CompressionSession:
         keep = torch.where((live > self._budget(units) + slack)[:, None], keep, slot_rows)
         self.timings["selection"] += time.perf_counter() - started
         started = time.perf_counter()
-        for number, (module, layer, state) in enumerate(layers):
+        for number, (module, layer) in enumerate(layers):
+            state = layer.state
             index, valid = left_aligned_indices(keep[number * batch : (number + 1) * batch, width - state.length :])
-            compact_layer(layer, index)
-            state.gather(index)
-            state.slot_valid = valid  # filler slots (a row that keeps fewer than the widest) are dead
+            layer.keep(index, valid)  # filler slots (a row that keeps fewer than the widest) are dead
             if self.parameters.rerotate_keys:
                 compact = (valid.long().cumsum(-1) - 1).clamp(min=0)
                 delta = torch.where(valid, compact - state.rope_positions, 0)
                 layer.keys = rotate_keys(module, layer.keys, delta, self.layout.rotary_emb.inv_freq)
                 state.rope_positions = torch.where(valid, compact, state.rope_positions)
-        self.sequence.evicting = True
         self.timings["compaction"] += time.perf_counter() - started
 
-    # ------------------------------------------------------------------ cache guards
-    def _reorder(self, beam_idx: torch.Tensor) -> None:
-        """Keep the per-sequence state aligned with a batch-reordered cache (beam search)."""
-        sequence = self.sequence
-        if sequence is None:
-            return
-        sequence.seen = sequence.seen.index_select(0, beam_idx.to(sequence.seen.device))
-        if self._shared_layout is not None:
-            self._shared_layout = self._shared_layout.index_select(0, beam_idx.to(sequence.seen.device))
-        for state in self.layers.values():
-            state.reorder(beam_idx)
+
+def _shared_layout(states: list[LayerState | None], batch: int, device: torch.device) -> torch.Tensor | None:
+    """(B, T) the slot layout every compressed layer holds, or None when their layouts differ."""
+    if all(state is None for state in states):
+        return torch.zeros(batch, 0, dtype=torch.bool, device=device)
+    if any(state is None for state in states):
+        return None
+    first = states[0].slot_valid
+    if all(state.length == first.shape[-1] and torch.equal(state.slot_valid, first) for state in states[1:]):
+        return first
+    return None
+
+
+def _positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch, as ``generate`` derives them from its 2-D mask."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def _per_layer_type_masks(decoder, tokens, true_mask, compact_mask, cache, positions) -> dict[str, torch.Tensor]:
@@ -727,25 +651,3 @@ def _layer_snapshot(layer) -> dict[str, Any]:
     """What restores a cache layer whose tensors its updates replace (they never write into them)."""
     return {name: value.clone() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
             for name, value in vars(layer).items()}
-
-
-def _guard_cache(cache: DynamicCache, session: CompressionSession) -> None:
-    """Make operations that would desynchronise cache and scores either follow along or fail loudly."""
-    original_reorder = cache.reorder_cache
-
-    def reorder_cache(beam_idx: torch.Tensor) -> None:
-        original_reorder(beam_idx)
-        if session.sequence is not None and session.sequence.cache_id == id(cache):
-            session._reorder(beam_idx)
-
-    def refuse(name: str):
-        def method(*args, **kwargs):
-            raise NotImplementedError(
-                f"kvcompress: cache.{name}() is not supported on a compressed cache (assisted / speculative "
-                "decoding and cache cropping assume every token is still cached)"
-            )
-
-        return method
-
-    cache.reorder_cache = reorder_cache
-    cache.crop = refuse("crop")

@@ -1,4 +1,4 @@
-"""What the compressor remembers per sequence (shared by all layers) and per compressed layer.
+"""What a compressed cache layer remembers per slot, and what the session knows about the forward in flight.
 
 Every per-slot tensor of a layer is indexed by physical cache slot, so one gather with the kept indices compacts
 the cache and its bookkeeping together.
@@ -16,21 +16,31 @@ import dataclasses
 
 import torch
 
-from .cache import gather_slots
+
+
+def gather_slots(tensor: torch.Tensor, keep: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """Select slots ``keep`` (B, K) along ``dim`` of a (B, ..., T, ...) tensor.
+
+    One sequence takes ``index_select`` (measured 2-3 × faster on CPU than ``gather`` with an expanded index);
+    a batch, whose rows keep different slots, takes ``gather``.
+    """
+    if keep.shape[0] == 1:
+        return tensor.index_select(dim, keep[0])
+    dim = dim % tensor.dim()
+    shape = [1] * tensor.dim()
+    shape[0], shape[dim] = keep.shape
+    return tensor.gather(dim, keep.view(shape).expand(*tensor.shape[:dim], -1, *tensor.shape[dim + 1 :]))
 
 
 @dataclasses.dataclass
-class SequenceState:
-    """Per-sequence facts, identical for every compressed layer."""
+class ForwardState:
+    """What the session knows about the forward in flight, the same for every compressed layer."""
 
-    cache_id: int  # id() of the transformers cache these facts describe
-    seen: torch.Tensor  # (B,) int64: real tokens processed so far (the next true position)
-    forward_valid: torch.Tensor | None = None  # (B, q) bool: which tokens of the current forward are real
-    forward_positions: torch.Tensor | None = None  # (B, q) int64: RoPE positions the current forward uses
-    forward_true_positions: torch.Tensor | None = None  # (B, q) int64: their positions in the full sequence
-    total: int = 0  # slots ever appended, padding included (the length of generate's 2-D mask)
-    evictions: int = 0  # forwards that evicted
-    evicting: bool = False  # the current forward has evicted
+    valid: torch.Tensor  # (B, q) bool: which tokens of the forward are real (not left padding)
+    positions: torch.Tensor  # (B, q) int64: the RoPE positions the forward uses
+    true_positions: torch.Tensor  # (B, q) int64: their positions in the uncompressed sequence
+    replay: bool = False  # a context-reconstruction pass (KVzip): its tokens leave the cache after attention
+    evicted: bool = False  # some layer evicted during this forward
 
 
 # Spare slots reserved past the current length, so that decode steps (and the few slots per_token decode lets the

@@ -30,7 +30,7 @@ def test_prefill_keeps_exactly_the_budget_with_both_windows(algorithm, aggregati
             token = step.logits[:, -1:].argmax(-1)
             for layer in cache.layers:
                 assert layer.keys.shape[-2] <= params.max_cache_size + params.decode_slack
-        assert int(session.sequence.seen) == 1200
+        assert session.cache.get_seq_length() == 1200
         for state in session.layers.values():
             positions = state.true_positions[0].tolist()
             assert positions[:32] == list(range(32)) and positions[-64:] == list(range(1200 - 64, 1200))

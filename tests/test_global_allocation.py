@@ -50,22 +50,12 @@ def test_scores_decide_which_layer_keeps_more():
     class Favour(SnapKV):
         def eviction_scores(self, state, keys, values, slot_valid):
             scores = super().eviction_scores(state, keys, values, slot_valid)
-            return scores * 1000 if state is self.favoured else scores
+            return scores * 1000 if state is session.cache.layers[1].state else scores
 
     model = tiny_model("llama")
     params = scorer_parameters("snapkv", **SIZES)
     with KVCacheCompressor(params)(model) as session:
         session.scorer.__class__ = Favour
-        session.scorer.favoured = None
-        original = session._layer_state
-
-        def layer_state(index, keys):
-            state = original(index, keys)
-            if index == 1:
-                session.scorer.favoured = state
-            return state
-
-        session._layer_state = layer_state
         cache = session.prefill(random_tokens(PROMPT))
     windows = params.start_size + params.recent_size
     assert cache.layers[1].keys.shape[-2] - windows >= 2 * params.intermediate_size - 1

@@ -65,7 +65,8 @@ def test_pads_are_evicted_first_and_windows_count_real_tokens():
     prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
     ids, mask = _left_pad(prompts)
     with KVCacheCompressor(params)(model) as session, torch.no_grad():
-        out = model(ids, attention_mask=mask, use_cache=True)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real-token positions, as generate gives them
+        out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
         assert out.past_key_values.layers[0].keys.shape[-2] == params.max_cache_size
         layout = session.layers[0].slot_valid
         for row, length in enumerate(LENGTHS):

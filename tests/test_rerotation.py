@@ -56,7 +56,7 @@ def test_rerotated_keys_match_reencoding_at_compact_positions(arch, strategy):
                     expected = _expected_cache_keys(model, by_position, true_positions, list(range(len(true_positions))))
                     torch.testing.assert_close(cache.layers[layer_index].keys, expected, atol=1e-5, rtol=0)
                     assert state.rope_positions[0].tolist() == list(range(len(true_positions)))
-                evictions_checked = session.sequence.evictions
+                evictions_checked = session.evictions
                 if i < steps.shape[1]:
                     model(steps[:, i : i + 1], cache=cache, use_cache=True)
     finally:
