@@ -250,7 +250,9 @@ def make_chat_sample(task: str, length: int, depth: float, seed: int, tokenizer:
     return ChatSample(tuple(chat["input_ids"]), spec.question, spec.answer_prefix, spec.answers)
 
 
-def next_turn_ids(tokenizer: PreTrainedTokenizerBase, history: Sequence[int], user: str, answer_prefix: str = "") -> list[int]:
+def next_turn_ids(
+    tokenizer: PreTrainedTokenizerBase, history: Sequence[int], user: str, answer_prefix: str = ""
+) -> list[int]:
     """``history`` (a prompt and the reply ``generate`` returned) followed by the next user turn and the opening
     of the assistant's answer, in the tokenizer's chat template.
 

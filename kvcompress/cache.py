@@ -10,8 +10,8 @@ every kept slot, being older, stays visible. Which kept slots hold live tokens (
 ``state.slot_valid``; the session turns it into the 2-D mask transformers reads (see ``compressor.py``).
 
 Sliding-window layers keep transformers' own class: they are bounded already. A ``DynamicCache`` passed in empty
-is adopted (its full-attention layers become compressed layers); the cache then works without the session too,
-as a plain cache that keeps what it holds and grows.
+is adopted (its full-attention layers become compressed layers). The session does the scoring and eviction, and
+writes the layout into the mask; outside a session the layers behave as plain dynamic layers over the kept slots.
 """
 
 from __future__ import annotations

@@ -353,7 +353,8 @@ class CompressionSession:
             self._reconstruct(self.cache, self._forward_tokens, forward, forward.valid & over[:, None])
         self._forward_tokens = None
         if due:  # a decode step's evictions, or a prompt's whose layers share one budget or were reconstructed
-            self._evict(due, slack, allocate=forward.valid.shape[-1] > 1 and self.parameters.budget_allocation == "global")
+            allocate = forward.valid.shape[-1] > 1 and self.parameters.budget_allocation == "global"
+            self._evict(due, slack, allocate=allocate)
         self.evictions += forward.evicted or bool(due)
 
     def _reconstruct(self, cache: DynamicCache, tokens: torch.Tensor | None, forward: ForwardState,

@@ -17,7 +17,6 @@ import dataclasses
 import torch
 
 
-
 def gather_slots(tensor: torch.Tensor, keep: torch.Tensor, dim: int = -2) -> torch.Tensor:
     """Select slots ``keep`` (B, K) along ``dim`` of a (B, ..., T, ...) tensor.
 

@@ -155,3 +155,52 @@ def test_a_cache_filled_outside_the_session_is_refused():
     with KVCacheCompressor(KVCacheCompressionParameters(start_size=4, intermediate_size=8, recent_size=4))(model):
         with pytest.raises(ValueError, match="filled outside the compressor"):
             model(random_tokens(3), cache=cache, use_cache=True)
+
+
+def _two_turns(model, params, prompts, follow_ups):
+    """Two generate turns of a left-padded batch (or one sequence); returns each row's answers."""
+    width = max(p.shape[-1] for p in prompts)
+    ids = torch.cat([torch.nn.functional.pad(p, (width - p.shape[-1], 0)) for p in prompts])
+    mask = torch.cat([torch.nn.functional.pad(torch.ones_like(p), (width - p.shape[-1], 0)) for p in prompts])
+    with KVCacheCompressor(params)(model), torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=ANSWER, min_new_tokens=ANSWER, do_sample=False,
+                             return_dict_in_generate=True, pad_token_id=0)
+        first = out.sequences[:, width:]
+        ids = torch.cat([out.sequences, follow_ups], dim=-1)
+        mask = torch.cat([mask, torch.ones(len(prompts), ids.shape[-1] - mask.shape[-1], dtype=mask.dtype)], dim=-1)
+        second = model.generate(ids, attention_mask=mask, cache=out.past_key_values, max_new_tokens=ANSWER,
+                                min_new_tokens=ANSWER, do_sample=False, pad_token_id=0)[:, ids.shape[-1]:]
+    return first, second
+
+
+@pytest.mark.parametrize("rerotate", [False, True])
+def test_a_padded_batch_of_conversations_equals_each_conversation_alone(rerotate):
+    model = tiny_model("llama")
+    params = KVCacheCompressionParameters(start_size=4, intermediate_size=16, recent_size=8, decode_slack=2,
+                                          rerotate_keys=rerotate)
+    prompts = [random_tokens(n, seed=i) for i, n in enumerate((70, 45, 20))]
+    follow_ups = random_tokens(9, batch=3, seed=7)
+    batched = _two_turns(model, params, prompts, follow_ups)
+    for row, prompt in enumerate(prompts):
+        alone = _two_turns(model, params, [prompt], follow_ups[row:row + 1])
+        for turn in range(2):
+            assert torch.equal(batched[turn][row], alone[turn][0]), f"row {row}, turn {turn + 1}"
+
+
+def test_with_rerotation_a_later_turn_continues_at_compact_positions():
+    model = tiny_model("llama")
+    params = KVCacheCompressionParameters(start_size=4, intermediate_size=16, recent_size=8, decode_slack=0,
+                                          rerotate_keys=True)
+    seen = []
+    with KVCacheCompressor(params)(model), torch.no_grad():
+        cache = model(random_tokens(70), use_cache=True).past_key_values
+        live = cache.layers[0].keys.shape[-2]
+        handle = model.model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(kwargs["position_ids"][0].tolist()), with_kwargs=True)
+        try:
+            model(random_tokens(5, seed=1), cache=cache, use_cache=True)
+        finally:
+            handle.remove()
+    assert live == params.max_cache_size
+    assert seen == [list(range(live, live + 5))]
+    assert cache.get_seq_length() == 75
