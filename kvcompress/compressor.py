@@ -493,7 +493,8 @@ class CompressionSession:
     def _layer_state(self, layer: CompressedLayer, keys: torch.Tensor) -> LayerState:
         """The layer's state; a layer seen for the first time in a sequence (empty cache) starts empty."""
         if layer.state is None:
-            layer.state = LayerState.empty(keys.shape[0], keys.shape[1], keys.device)
+            layer.state = LayerState.empty(keys.shape[0], keys.shape[1], keys.device,
+                                           per_head=self.parameters.head_selection == "per_head")
             if self._row_units is not None:
                 layer.state.scored_units = self._row_units.clone()
         return layer.state
@@ -586,20 +587,32 @@ class CompressionSession:
             units = torch.where(live > self._budget(units) + slack, shares, units)
             for number, state in enumerate(states):
                 state.scored_units = units[number * batch : (number + 1) * batch]
-        keep = select_keep_mask(scores, slot_rows, self.parameters, value_norms, units)
+        over = live > self._budget(units) + slack
+        if self.parameters.head_selection == "per_head":  # every (layer, sequence, head) row selects alone
+            heads = scores.shape[1]
+            keep = select_keep_mask(scores.reshape(-1, 1, width), slot_rows.repeat_interleave(heads, 0),
+                                    self.parameters, None, units.repeat_interleave(heads))
+            keep = keep.view(-1, heads, width)
+            slot_rows, over = slot_rows[:, None], over[:, None]
+        else:
+            keep = select_keep_mask(scores, slot_rows, self.parameters, value_norms, units)
         # Each sequence evicts on its own schedule (as it would alone); padding only makes the batch wider.
-        keep = torch.where((live > self._budget(units) + slack)[:, None], keep, slot_rows)
+        keep = torch.where(over[..., None], keep, slot_rows)
         self.timings["selection"] += time.perf_counter() - started
         started = time.perf_counter()
         for number, (module, layer) in enumerate(layers):
             state = layer.state
-            index, valid = left_aligned_indices(keep[number * batch : (number + 1) * batch, width - state.length :])
+            index, valid = left_aligned_indices(keep[number * batch : (number + 1) * batch, ..., width - state.length :])
+            if index.dim() == 3:  # per head: the same count per head, so one layout for all of them
+                valid = valid[:, 0]
             layer.keep(index, valid)  # filler slots (a row that keeps fewer than the widest) are dead
             if self.parameters.rerotate_keys:
-                compact = (valid.long().cumsum(-1) - 1).clamp(min=0)
-                delta = torch.where(valid, compact - state.rope_positions, 0)
+                kept, compact = valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
+                if state.per_head:  # (B, 1, K) against each head's own positions
+                    kept, compact = kept[:, None], compact[:, None]
+                delta = torch.where(kept, compact - state.rope_positions, 0)
                 layer.keys = rotate_keys(module, layer.keys, delta, self.layout.rotary_emb.inv_freq)
-                state.rope_positions = torch.where(valid, compact, state.rope_positions)
+                state.rope_positions = torch.where(kept, compact, state.rope_positions)
         self.timings["compaction"] += time.perf_counter() - started
 
 

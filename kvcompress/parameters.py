@@ -30,6 +30,7 @@ AGGREGATIONS = ("sum", "norm_sum")
 REFINED_ALGORITHMS = ("kvcrush", "criticalkv")
 KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternate")
 BUDGET_ALLOCATIONS = ("uniform", "global")
+HEAD_SELECTIONS = ("shared", "per_head")
 DEFAULT_SNAPKV_WINDOW = 8
 
 
@@ -65,6 +66,7 @@ class KVCacheCompressionParameters:
     criticalkv_epsilon: float = 1e-4
     rerotate_keys: bool = False
     budget_allocation: str = "uniform"
+    head_selection: str = "shared"
     scorer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -169,6 +171,13 @@ class KVCacheCompressionParameters:
                     "budget_allocation='global' is not combined with a refined_algorithm (KVCrush and CriticalKV "
                     "refine one layer's uniform budget); use budget_allocation='uniform'"
                 )
+        if self.head_selection not in HEAD_SELECTIONS:
+            raise ValueError(f"head_selection must be one of {_allowed(HEAD_SELECTIONS)}, got {self.head_selection!r}")
+        if self.head_selection == "per_head" and self.refined_algorithm is not None:
+            raise ValueError(
+                "head_selection='per_head' is not combined with a refined_algorithm (KVCrush's signatures and "
+                "CriticalKV's value norms span the heads of a layer); use head_selection='shared'"
+            )
         if not 0.0 <= self.criticalkv_first_stage_ratio <= 1.0:
             raise ValueError(
                 f"criticalkv_first_stage_ratio must be in [0, 1], got {self.criticalkv_first_stage_ratio}"
@@ -255,4 +264,4 @@ _INT_FIELDS = {
 }
 _BOOL_FIELDS = {"compress_during_decoding", "rerotate_keys"}
 _FLOAT_FIELDS = {"criticalkv_first_stage_ratio", "criticalkv_epsilon"}
-_STR_FIELDS = {"budget_allocation", "strategy", "score_aggregation", "refined_algorithm", "kvcrush_anchor"}
+_STR_FIELDS = {"budget_allocation", "head_selection", "strategy", "score_aggregation", "refined_algorithm", "kvcrush_anchor"}

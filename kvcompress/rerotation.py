@@ -31,7 +31,13 @@ def check_rerotation_supported(rotary_emb: nn.Module | None, model_name: str) ->
 def rotate_keys(
     attention_module: nn.Module, keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor
 ) -> torch.Tensor:
-    """Rotate ``keys`` (B, H_kv, T, d) by ``delta`` positions (B, T), in float32, with the model's own RoPE code."""
+    """Rotate ``keys`` (B, H_kv, T, d) by ``delta`` positions, in float32, with the model's own RoPE code:
+    (B, T) for every head alike, or (B, H_kv, T) when each head keeps its own slots."""
+    if delta.dim() == 3:  # each head a sequence of its own
+        batch, heads, total, head_dim = keys.shape
+        rotated = rotate_keys(attention_module, keys.reshape(batch * heads, 1, total, head_dim),
+                              delta.reshape(batch * heads, total), inv_freq)
+        return rotated.view(batch, heads, total, head_dim)
     angles = delta.to(torch.float32).unsqueeze(-1) * inv_freq.to(device=keys.device, dtype=torch.float32)
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos(), angles.sin()

@@ -10,15 +10,20 @@ from kvcompress.scoring.registry import SCORERS
 
 # Read from the registry when this module is imported: a scorer registered before (a plugin, another test
 # module) joins the matrix without an edit here.
-COMBINATIONS = list(itertools.product(list(SCORERS), ["per_token", "per_group"], [None, "kvcrush", "criticalkv"],
-                                      [False, True]))
+# Refined selection works on a layer's shared selection only: per-head rows go without it.
+COMBINATIONS = [
+    *itertools.product(list(SCORERS), ["per_token", "per_group"], [None, "kvcrush", "criticalkv"], [False, True],
+                       ["shared"]),
+    *itertools.product(list(SCORERS), ["per_token", "per_group"], [None], [False, True], ["per_head"]),
+]
 
 
-@pytest.mark.parametrize("algorithm, strategy, refined, rerotate", COMBINATIONS)
-def test_generate_with_bounded_cache(algorithm, strategy, refined, rerotate):
+@pytest.mark.parametrize("algorithm, strategy, refined, rerotate, head_selection", COMBINATIONS)
+def test_generate_with_bounded_cache(algorithm, strategy, refined, rerotate, head_selection):
     params = scorer_parameters(
         algorithm, strategy=strategy, group_size=4, start_size=4, intermediate_size=16, recent_size=8,
         refined_algorithm=refined, refined_size=8 if refined else 0, rerotate_keys=rerotate,
+        head_selection=head_selection,
     )
     model = tiny_model("llama")
     slack = params.decode_slack if strategy == "per_token" else 1

@@ -29,14 +29,15 @@ def _generate(model, params, ids, mask):
                               do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
 
 
-@pytest.mark.parametrize(
-    "algorithm, strategy, rerotate", list(itertools.product(["snapkv", "h2o"], ["per_token", "per_group"], [False, True]))
-)
-def test_each_sequence_matches_its_solo_run(algorithm, strategy, rerotate):
+@pytest.mark.parametrize("algorithm, strategy, rerotate, head_selection", list(
+    itertools.product(["snapkv", "h2o"], ["per_token", "per_group"], [False, True], ["shared", "per_head"])
+))
+def test_each_sequence_matches_its_solo_run(algorithm, strategy, rerotate, head_selection):
     model = tiny_model("llama")
     params = KVCacheCompressionParameters(
         algorithm=algorithm, strategy=strategy, group_size=4, start_size=4, intermediate_size=24, recent_size=12,
         window_size=8 if algorithm == "snapkv" else None, rerotate_keys=rerotate, decode_slack=4,
+        head_selection=head_selection,
     )
     prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
     batched = _generate(model, params, *_left_pad(prompts))
@@ -45,13 +46,15 @@ def test_each_sequence_matches_its_solo_run(algorithm, strategy, rerotate):
         assert torch.equal(batched[row], alone[0]), f"sequence {row} (length {prompt.shape[1]}) diverged"
 
 
+@pytest.mark.parametrize("head_selection", ["shared", "per_head"])
 @pytest.mark.parametrize("algorithm", list(SCORERS))
-def test_every_scorer_gives_each_sequence_its_solo_run(algorithm):
+def test_every_scorer_gives_each_sequence_its_solo_run(algorithm, head_selection):
     """Padding never enters a score: KVzip reconstructs each sequence's own tokens, Expected Attention's
     statistics and KeyDiff's anchor leave dead slots out, TOVA reads each sequence's last real query."""
     model = tiny_model("llama")
     params = scorer_parameters(algorithm, start_size=4, intermediate_size=24, recent_size=12, decode_slack=4,
-                               scorer_options={"chunk_size": 32} if algorithm == "kvzip" else {})
+                               scorer_options={"chunk_size": 32} if algorithm == "kvzip" else {},
+                               head_selection=head_selection)
     prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
     batched = _generate(model, params, *_left_pad(prompts))
     for row, prompt in enumerate(prompts):

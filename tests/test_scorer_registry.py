@@ -46,6 +46,7 @@ sys.path.insert(0, {str(TESTS)!r})
 import torch
 from kvcompress.scoring.base import Scorer
 from kvcompress.scoring.registry import register
+from kvcompress.state import by_head
 
 
 @register
@@ -53,10 +54,10 @@ class Newest(Scorer):
     name = "newest_for_test"
 
     def eviction_scores(self, state, keys, values, slot_valid):
-        return state.true_positions.float().unsqueeze(1).expand(-1, keys.shape[1], -1)
+        return by_head(state.true_positions).float().expand(-1, keys.shape[1], -1)
 
 
 from test_method_matrix import test_generate_with_bounded_cache  # noqa: E402,F401  (collected here)
 """)
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-k", "newest_for_test")
-    result.assert_outcomes(passed=12)  # 2 strategies x 3 refinements x 2 rerotations
+    result.assert_outcomes(passed=16)  # 2 strategies x 2 rerotations x (3 shared refinements + per_head)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..state import by_head
 from .attention import observed_attention
 from .base import AttentionCall, Scorer
 
@@ -32,5 +33,5 @@ class AccumulatedAttention(Scorer):
 
     def eviction_scores(self, state, keys, values, slot_valid) -> torch.Tensor:
         if self.parameters.score_aggregation == "norm_sum":
-            return state.head_scores / state.counts.clamp(min=1.0).unsqueeze(1)
+            return state.head_scores / by_head(state.counts).clamp(min=1.0)
         return state.head_scores

@@ -107,5 +107,8 @@ class Scorer:
     def eviction_scores(
         self, state: "LayerState", keys: torch.Tensor, values: torch.Tensor, slot_valid: torch.Tensor
     ) -> torch.Tensor:
-        """The per-KV-head scores (B, H_kv, T) selection ranks by, higher kept; default: the combined scores."""
+        """The per-KV-head scores (B, H_kv, T) selection ranks by, higher kept; default: the combined scores.
+
+        The state's per-slot positions and counts are (B, T), or (B, H_kv, T) when each head keeps its own slots
+        (``head_selection="per_head"``); ``kvcompress.state.by_head`` views either as (B, H_kv or 1, T)."""
         return state.head_scores

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..rerotation import rotate_keys
+from ..state import by_head
 from .base import AttentionCall, Scorer
 
 N_SINK = 4  # leading positions left out of the statistics and never evicted by this score (kvpress's n_sink)
@@ -69,14 +70,14 @@ class ExpectedAttention(Scorer):
         keys = keys.float()
         logits = scale * torch.einsum("bkgd,bktd->bkgt", mean, keys)
         logits += (scale * scale / 2) * torch.einsum("bktd,bkgde,bkte->bkgt", keys, covariance, keys)
-        sink = state.true_positions < N_SINK
-        scored = slot_valid & ~sink
-        logits.masked_fill_(~scored[:, None, None, :], float("-inf"))
+        sink = by_head(state.true_positions) < N_SINK  # (B, H_kv or 1, T)
+        scored = slot_valid[:, None] & ~sink
+        logits.masked_fill_(~scored[:, :, None, :], float("-inf"))
         scores = torch.softmax(logits, dim=-1).nan_to_num_(0.0).mean(2)  # (B, H_kv, T)
         if self.settings["value_norm"]:
             scores = (scores + self.settings["epsilon"]) * torch.linalg.vector_norm(values.float(), dim=-1)
         top = scores.amax(-1, keepdim=True) + 1
-        return torch.where(sink[:, None, :], top, scores)
+        return torch.where(sink, top, scores)
 
 
 def averaged_rotation(first: torch.Tensor, count: int, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:

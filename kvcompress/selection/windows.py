@@ -145,14 +145,14 @@ def _top_k_mask(scores: torch.Tensor, candidates: torch.Tensor, k: torch.Tensor)
 
 
 def left_aligned_indices(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather indices (B, K) that put each row's kept slots, in order, at the right end of K slots.
+    """Gather indices (..., K) that put each row's kept slots (..., T), in order, at the right end of K slots.
 
     K is the widest row's count; narrower rows are filled on the left with slots they did not keep, which are
-    then marked dead (returned validity (B, K)), exactly like left padding.
+    then marked dead (returned validity (..., K)), exactly like left padding.
     """
     total = keep.shape[-1]
     width = int(keep.sum(-1).max())
     slot = torch.arange(total, device=keep.device)
-    order = torch.where(keep, slot + total, slot).argsort(dim=-1)[:, total - width :]
+    order = torch.where(keep, slot + total, slot).argsort(dim=-1)[..., total - width :]
     valid = keep.gather(-1, order)
     return order, valid
