@@ -30,11 +30,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcompress import KVCacheCompressor  # noqa: E402
+from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
 from kvcompress.cache import kv_cache_bytes  # noqa: E402
 from kvcompress.models import load_default_model  # noqa: E402
 from kvcompress.presets import NONE, budget_slots, method_names, preset  # noqa: E402
@@ -54,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=DEFAULT_METHODS)
     parser.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.2, 0.4])
+    parser.add_argument("--variants", nargs="+", default=["preset"], type=parse_variant,
+                        help="'preset' (each method as its preset sets it) or parameter overrides KEY=VALUE[,...], "
+                             "e.g. head_selection=per_head; each method runs once per variant")
     parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)
     parser.add_argument("--max-new-tokens", type=int, default=24,
                         help="greedy tokens (RULER allows 128 for niah; a 7-digit answer and the stop need < 20)")
@@ -65,6 +69,31 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="kvpress runs on the same prompts (benchmarks/peer_kvpress.py), shown beside ours")
     parser.add_argument("--resume", action="store_true", help="keep the runs already recorded and do the rest")
     return parser.parse_args(argv)
+
+
+PRESET = "preset"
+
+
+def parse_variant(text: str) -> str:
+    """A variant as given ('preset', or KEY=VALUE pairs that name parameters), checked on the parser's side."""
+    if text != PRESET:
+        for pair in text.split(","):
+            key, _, value = pair.partition("=")
+            if not value or key not in KVCacheCompressionParameters.__dataclass_fields__:
+                raise argparse.ArgumentTypeError(f"variant {text!r}: expected KEY=VALUE[,...] with parameter names")
+    return text
+
+
+def variant_overrides(variant: str) -> dict:
+    if variant == PRESET:
+        return {}
+    return {key: yaml.safe_load(value) for key, _, value in (pair.partition("=") for pair in variant.split(","))}
+
+
+def labels(args) -> list[tuple[str, str, dict]]:
+    """(label, method, overrides) of every method and variant; the label names the variant unless it is the preset."""
+    return [(method if variant == PRESET else f"{method} [{variant}]", method, variant_overrides(variant))
+            for method in args.methods for variant in args.variants]
 
 
 def load_samples(args, tokenizer) -> list[dict]:
@@ -106,12 +135,12 @@ def append_run(path: Path, record: dict) -> None:
 
 @torch.no_grad()
 def run_one(model, tokenizer, sample: dict, method: str, budget: float, protocol: str, max_new_tokens: int,
-            timed: bool) -> dict:
+            timed: bool, label: str | None = None, overrides: dict | None = None) -> dict:
     """One generation, with the compressed prompt's real KV bytes and (``timed``, context_first) its prefill
     seconds beside a full-cache prefill of the same tokens."""
     ids = torch.tensor([sample["ids"]])
     compressed_tokens = sample["prefill"][protocol]
-    record = {"task": sample["task"], "index": sample["index"], "method": method, "budget": budget,
+    record = {"task": sample["task"], "index": sample["index"], "method": label or method, "budget": budget,
               "protocol": protocol, "prompt_tokens": ids.shape[1], "compressed_tokens": compressed_tokens}
     if method == NONE:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
@@ -119,7 +148,7 @@ def run_one(model, tokenizer, sample: dict, method: str, budget: float, protocol
         answer = out.sequences[0, ids.shape[1]:]
     else:
         slots = budget_slots(budget, compressed_tokens)
-        with KVCacheCompressor(preset(method, slots), tokenizer=tokenizer)(model) as session:
+        with KVCacheCompressor(preset(method, slots, **(overrides or {})), tokenizer=tokenizer)(model) as session:
             if protocol == "query_aware":  # the whole prompt, question included, compressed inside generate
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=max_new_tokens, return_dict_in_generate=True)
@@ -158,13 +187,13 @@ def main(argv=None) -> None:
         runs_path.unlink(missing_ok=True)
     runs = load_runs(runs_path)
 
-    def run(sample, method, budget, protocol):
-        record = {"task": sample["task"], "index": sample["index"], "method": method, "budget": budget,
+    def run(sample, method, budget, protocol, label=None, overrides=None):
+        record = {"task": sample["task"], "index": sample["index"], "method": label or method, "budget": budget,
                   "protocol": protocol}
         if _key(record) not in runs:
             timed = budget == args.budgets[len(args.budgets) // 2]  # the prefill cost, at the middle budget
             runs[_key(record)] = run_one(model, tokenizer, sample, method, budget, protocol, args.max_new_tokens,
-                                         timed)
+                                         timed, label, overrides)
             append_run(runs_path, runs[_key(record)])
         return runs[_key(record)]
 
@@ -172,9 +201,9 @@ def main(argv=None) -> None:
     print(f"full cache: {len(calibrated)}/{len(samples)} correct", flush=True)
     for protocol in args.protocols:
         for budget in args.budgets:
-            for method in args.methods:
-                done = [run(s, method, budget, protocol)["correct"] for s in calibrated]
-                print(f"{protocol} {budget:.0%} {method}: {sum(done):.0f}/{len(done)}", flush=True)
+            for label, method, overrides in labels(args):
+                done = [run(s, method, budget, protocol, label, overrides)["correct"] for s in calibrated]
+                print(f"{protocol} {budget:.0%} {label}: {sum(done):.0f}/{len(done)}", flush=True)
     write_report(args, argv, model, samples, calibrated, runs)
 
 
@@ -224,7 +253,7 @@ def write_report(args, argv, model, samples, calibrated, runs) -> None:
         lines += [f"\n## {protocol}\n", "| method | " + " | ".join(f"{b:.0%} kept" for b in args.budgets)
                   + " | KV × (at " + f"{args.budgets[len(args.budgets) // 2]:.0%}) | prefill × |",
                   "|---" * (len(args.budgets) + 3) + "|"]
-        for method in args.methods:
+        for method, _, _ in labels(args):
             cells, kv, cost = [], "", ""
             for budget in args.budgets:
                 ours = [r for r in runs.values() if r["method"] == method and r["budget"] == budget

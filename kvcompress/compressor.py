@@ -35,6 +35,7 @@ from .rerotation import check_rerotation_supported, rotate_keys
 from .scoring.attention import observation_counts
 from .scoring.base import AttentionCall
 from .scoring.value_norm import projected_value_l1
+from .selection.allocation import pyramid_scored_units
 from .selection.windows import global_scored_units, left_aligned_indices, select_keep_mask
 from .state import ForwardState, LayerState
 
@@ -119,6 +120,8 @@ class CompressionSession:
         self.scorer = parameters.scorer(parameters)
         self._prompt_budget, self._prompt_parameters = prompt_budget, prompt_parameters
         self._row_units: torch.Tensor | None = None  # per-sequence scored areas of a fractional budget
+        # each compressed layer's scored area per sequence, where it is not the parameters' (set per sequence)
+        self._sequence_units: dict[int, torch.Tensor] = {}
         self.layout: ModelLayout | None = None
         self.cache: DynamicCache | None = None  # the cache of the latest forward (its layers own their state)
         self.evictions = 0  # forwards of the cache's sequence that evicted
@@ -300,6 +303,7 @@ class CompressionSession:
             self.evictions = 0
             if self._prompt_parameters is not None:
                 self._fit_budget(new_valid)
+            self._sequence_units = self._initial_units(batch, device)
         given = kwargs.get("position_ids")
         # without position ids transformers numbers the new tokens after the cache's true length, as we do
         true_positions = given.expand(batch, -1) if given is not None else (
@@ -410,6 +414,18 @@ class CompressionSession:
             [max(0, self._prompt_budget(n) - windows) // params.unit_size for n in lengths], device=prompt_valid.device
         )
 
+    def _initial_units(self, batch: int, device: torch.device) -> dict[int, torch.Tensor]:
+        """Each compressed layer's scored area per sequence when a sequence starts, where it is not the
+        parameters' uniform one: a fractional budget's per-sequence areas, PyramidKV's per-layer schedule."""
+        params, layers = self.parameters, self.compressed_layers
+        base = self._row_units
+        if params.budget_allocation != "pyramid":
+            return {} if base is None else dict.fromkeys(layers, base)
+        if base is None:
+            base = torch.full((batch,), params.intermediate_size // params.unit_size, dtype=torch.long, device=device)
+        shares = pyramid_scored_units(base, len(layers), params.pyramid_beta)
+        return {index: shares[number] for number, index in enumerate(layers)}
+
     @staticmethod
     def _new_token_validity(mask, batch: int, length: int, seen: int, device) -> torch.Tensor:
         """Which new tokens are real. A given 2-D mask must cover the whole sequence so far plus the new tokens."""
@@ -441,7 +457,7 @@ class CompressionSession:
             return original(module, query, key, value, attention_mask, **kwargs)
         started = time.perf_counter()
         layer = self.cache.layers[module.layer_idx]
-        state = self._layer_state(layer, key)
+        state = self._layer_state(layer, module.layer_idx, key)
         if state.length != key.shape[-2] - query.shape[2]:
             raise RuntimeError(
                 f"kvcompress: layer {module.layer_idx} holds {key.shape[-2] - query.shape[2]} cached slots but its "
@@ -490,13 +506,13 @@ class CompressionSession:
             self._observation[total] = observed, counts
         return self._observation[total]
 
-    def _layer_state(self, layer: CompressedLayer, keys: torch.Tensor) -> LayerState:
+    def _layer_state(self, layer: CompressedLayer, index: int, keys: torch.Tensor) -> LayerState:
         """The layer's state; a layer seen for the first time in a sequence (empty cache) starts empty."""
         if layer.state is None:
             layer.state = LayerState.empty(keys.shape[0], keys.shape[1], keys.device,
                                            per_head=self.parameters.head_selection == "per_head")
-            if self._row_units is not None:
-                layer.state.scored_units = self._row_units.clone()
+            if index in self._sequence_units:
+                layer.state.scored_units = self._sequence_units[index].clone()
         return layer.state
 
     def _record(self, module: nn.Module, layer: CompressedLayer, head_scores: torch.Tensor | None) -> None:
@@ -544,7 +560,8 @@ class CompressionSession:
         return 0
 
     def _scored_units(self, state: LayerState) -> torch.Tensor:
-        """(B,) units of the layer's scored area: the parameters', or its own share of a global budget."""
+        """(B,) units of the layer's scored area: the parameters', or its own (a fractional budget's, its share of
+        a global budget, its step of the pyramid)."""
         if state.scored_units is not None:
             return state.scored_units
         units = self.parameters.intermediate_size // self.parameters.unit_size

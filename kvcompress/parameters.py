@@ -29,7 +29,7 @@ STRATEGIES = ("per_token", "per_group")
 AGGREGATIONS = ("sum", "norm_sum")
 REFINED_ALGORITHMS = ("kvcrush", "criticalkv")
 KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternate")
-BUDGET_ALLOCATIONS = ("uniform", "global")
+BUDGET_ALLOCATIONS = ("uniform", "global", "pyramid")
 HEAD_SELECTIONS = ("shared", "per_head")
 DEFAULT_SNAPKV_WINDOW = 8
 
@@ -66,6 +66,7 @@ class KVCacheCompressionParameters:
     criticalkv_epsilon: float = 1e-4
     rerotate_keys: bool = False
     budget_allocation: str = "uniform"
+    pyramid_beta: float = 20.0
     head_selection: str = "shared"
     scorer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
@@ -160,17 +161,20 @@ class KVCacheCompressionParameters:
             raise ValueError(
                 f"budget_allocation must be one of {_allowed(BUDGET_ALLOCATIONS)}, got {self.budget_allocation!r}"
             )
-        if self.budget_allocation == "global":
+        if self.budget_allocation != "uniform":
             if self.rerotate_keys:
                 raise ValueError(
-                    "budget_allocation='global' gives layers different lengths, which rerotate_keys=True cannot "
-                    "serve (one set of compact positions for every layer); use budget_allocation='uniform'"
+                    f"budget_allocation={self.budget_allocation!r} gives layers different lengths, which "
+                    "rerotate_keys=True cannot serve (one set of compact positions for every layer); use "
+                    "budget_allocation='uniform'"
                 )
             if self.refined_algorithm is not None:
                 raise ValueError(
-                    "budget_allocation='global' is not combined with a refined_algorithm (KVCrush and CriticalKV "
-                    "refine one layer's uniform budget); use budget_allocation='uniform'"
+                    f"budget_allocation={self.budget_allocation!r} is not combined with a refined_algorithm (KVCrush "
+                    "and CriticalKV refine one layer's uniform budget); use budget_allocation='uniform'"
                 )
+        if self.pyramid_beta < 1:
+            raise ValueError(f"pyramid_beta must be >= 1 (the top layer keeps 1/beta of the mean), got {self.pyramid_beta}")
         if self.head_selection not in HEAD_SELECTIONS:
             raise ValueError(f"head_selection must be one of {_allowed(HEAD_SELECTIONS)}, got {self.head_selection!r}")
         if self.head_selection == "per_head" and self.refined_algorithm is not None:
@@ -263,5 +267,5 @@ _INT_FIELDS = {
     "decode_slack", "refined_size", "kvcrush_seed",
 }
 _BOOL_FIELDS = {"compress_during_decoding", "rerotate_keys"}
-_FLOAT_FIELDS = {"criticalkv_first_stage_ratio", "criticalkv_epsilon"}
+_FLOAT_FIELDS = {"criticalkv_first_stage_ratio", "criticalkv_epsilon", "pyramid_beta"}
 _STR_FIELDS = {"budget_allocation", "head_selection", "strategy", "score_aggregation", "refined_algorithm", "kvcrush_anchor"}

@@ -212,8 +212,6 @@ def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
         budgets = section.pop("budgets")
         if not isinstance(budgets, list) or not budgets:
             raise ConfigError(f"{key}.budgets: must be a non-empty list of integers, got {budgets!r}")
-        if name is not None:
-            raise ConfigError(f"{key}.name: a sweep over budgets names its settings <method>-<budget>; drop name")
         budgets = [_integer(value, f"{key}.budgets[{index}]", 1) for index, value in enumerate(budgets)]
     elif "budget" in section:
         budgets = [_integer(section.pop("budget"), f"{key}.budget", 1)]
@@ -225,7 +223,9 @@ def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
     for budget in budgets:
         parameters = _build_parameters(method, budget, dict(section), key)
         size = parameters.max_cache_size
-        settings.append(CompressionSetting(name or f"{method}-{size}", method, size, parameters))
+        # a sweep's settings are <name or method>-<budget>; a single setting keeps the name it was given
+        label = name if name is not None and "budgets" not in entry else f"{name or method}-{size}"
+        settings.append(CompressionSetting(label, method, size, parameters))
     return settings
 
 
