@@ -80,8 +80,9 @@ def test_fused_output_and_scores_match_plain_attention(backend, length, softcap)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("length", [NEW, 1], ids=["prefill", "decode"])
 def test_native_kernel_matches_plain_attention_on_every_thread_count(monkeypatch, threads, length):
-    """The kernel splits its tasks ((sequence, head, row block) in a prefill, each summing into its own column
-    buffer; (sequence, KV head) in a decode step) over threads: the result must not depend on the split."""
+    """The kernel hands its tasks ((sequence, head, row block) in a prefill, each thread summing into its own column
+    buffer; (sequence, KV head) in a decode step) to the threads as they come free: the result must not depend
+    on which thread took which."""
     monkeypatch.setattr(native, "ROW_BLOCK", 3)
     monkeypatch.setattr(native, "KEY_BLOCK", 8)
     queries, keys, values, slot_valid, observed = _inputs(length=length)
@@ -90,6 +91,7 @@ def test_native_kernel_matches_plain_attention_on_every_thread_count(monkeypatch
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        assert kernel.parallel_threads() == threads  # the split really happens (the build has OpenMP)
         scores, output = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, values=values)
     finally:
         torch.set_num_threads(previous)

@@ -21,6 +21,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -28,6 +29,8 @@
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc);
+// MKL's (torch's BLAS on x86); weak, so that a build against another BLAS leaves it null
+extern "C" int MKL_Set_Num_Threads_Local(int threads) __attribute__((weak));  // mkl_service.h's C interface
 
 namespace {
 
@@ -41,6 +44,36 @@ void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha
   const int ilda = static_cast<int>(lda), ildb = static_cast<int>(ldb), ildc = static_cast<int>(ldc);
   sgemm_(&transa, &transb, &im, &in, &ik, &alpha, a, &ilda, b, &ildb, &beta, c, &ildc);
 }
+
+// Tasks handed out one at a time to torch's intra-op threads: each thread claims the next unclaimed task when it
+// finishes one. With parallel_for's own static split every layer waited for its slowest thread, and a thread whose
+// core another process shares is slow: H2O prefill took 2.5-4 x the uncompressed time with one busy process beside
+// (1.3 x on an idle machine), while sdpa lost nothing. Claiming costs one atomic increment per task.
+struct TaskQueue {
+  explicit TaskQueue(int64_t count) : count(count) {}
+  int64_t workers() const { return std::min<int64_t>(at::get_num_threads(), count); }
+  bool claim(int64_t& task) {
+    task = next.fetch_add(1, std::memory_order_relaxed);
+    return task < count;
+  }
+  const int64_t count;
+  std::atomic<int64_t> next{0};
+};
+
+// While alive, the products of the calling thread run on that thread alone. Each worker below makes many small
+// products; MKL would give each of them threads of its own and oversubscribe the cores: the kernel ran 2 x sdpa's
+// time on an idle 2-core machine and 25-40 x with one busy process beside (measured; spinning MKL threads
+// fighting for the cores). Without MKL nothing changes.
+class SingleThreadedBlas {
+ public:
+  SingleThreadedBlas() : previous_(MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0) {}
+  ~SingleThreadedBlas() {
+    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(previous_);
+  }
+
+ private:
+  int previous_;
+};
 
 float row_max(const float* x, int64_t n) {
   if (n == 0) return kNegInf;
@@ -102,11 +135,13 @@ std::vector<torch::Tensor> single_query(const Operands& o, float alpha, const to
   auto scores = torch::zeros({o.batch, o.kv_heads, o.total}, options);
   float* out_data = output.data_ptr<float>();
   float* scores_data = scores.data_ptr<float>();
-  at::parallel_for(0, o.batch * o.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  TaskQueue queue(o.batch * o.kv_heads);
+  at::parallel_for(0, queue.workers(), 1, [&](int64_t, int64_t) {
+    SingleThreadedBlas blas;
     auto logits_buffer = torch::empty({o.groups * o.total}, options);
     float* s = logits_buffer.data_ptr<float>();
     std::vector<float> inverse(o.groups);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; queue.claim(task);) {
       const int64_t b = task / o.kv_heads, kv = task % o.kv_heads, h0 = kv * o.groups;
       const float observed = o.weight == nullptr ? 1.0f : o.weight[b];
       const float* bias = o.bias != nullptr && observed != 0.0f ? o.bias + b * o.total : nullptr;
@@ -153,15 +188,19 @@ std::vector<torch::Tensor> causal_blocks(const Operands& o, float alpha, int64_t
     return std::clamp<int64_t>(base + m + 1 - n0, 0, cols);
   };
 
-  at::parallel_for(0, o.batch * o.heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
+  TaskQueue queue(o.batch * o.heads * row_blocks);
+  at::parallel_for(0, queue.workers(), 1, [&](int64_t, int64_t) {
+    SingleThreadedBlas blas;
     // the row block's exponentiated logits, key block after key block, each block contiguous (rows x key_block);
     // a torch allocation, so that memory profiling sees it (tests/test_memory_scaling.py)
     auto exps_buffer = torch::empty({row_block * key_block * key_blocks_max}, options);
     float* exps = exps_buffer.data_ptr<float>();
     std::vector<float> block_max(row_block * key_blocks_max), running_max(row_block), running_sum(row_block);
     float* sums_thread = sums_data + at::get_thread_num() * o.batch * o.kv_heads * o.total;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (o.heads * row_blocks), h = (task / row_blocks) % o.heads, rb = task % row_blocks;
+    for (int64_t task; queue.claim(task);) {
+      // the last row blocks first: they see the most keys, and the short ones left at the end even the threads out
+      const int64_t rb = row_blocks - 1 - task / (o.batch * o.heads), b = (task / o.heads) % o.batch,
+                    h = task % o.heads;
       const int64_t kv = h / o.groups, m0 = rb * row_block, rows = std::min(row_block, o.length - m0);
       const int64_t visible = base + m0 + rows;  // slots the block's last row sees
       const float* q = o.q + b * o.qSB + h * o.qSH + m0 * o.qSM;
@@ -238,6 +277,15 @@ std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor 
   return causal_blocks(o, alpha, row_block, key_block, queries.options());
 }
 
+// How many threads the kernel's parallel loops run on: torch's thread count when the build has OpenMP (without
+// -fopenmp, at::parallel_for's pragma is compiled out and every loop ran on the calling thread alone).
+int64_t parallel_threads() {
+  std::atomic<int64_t> chunks{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { chunks += 1; });
+  return chunks;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_attention", &fused_attention, "Causal attention output and column sums of its weights");
+  m.def("parallel_threads", &parallel_threads, "Threads the kernel's parallel loops run on");
 }
