@@ -86,6 +86,10 @@ def build_model(name: str, device: str, dtype: torch.dtype):
     )
     if name == "tiny-llama":
         config = transformers.LlamaConfig(**common)
+    elif name == "tiny-llama-512":  # the shape of the speed-under-load measurements (issue 17)
+        config = transformers.LlamaConfig(**{**common, "hidden_size": 512, "intermediate_size": 1376,
+                                             "num_hidden_layers": 6, "num_attention_heads": 8,
+                                             "num_key_value_heads": 8})
     elif name == "tiny-qwen3":
         config = transformers.Qwen3Config(**common, head_dim=16)
     elif name == "llama-7b-shape":  # random weights, Llama-2-7B shapes: for a GPU run only
@@ -437,7 +441,7 @@ def ratio(a, b):
 def environment(args, described) -> dict:
     return {
         "command": "python " + " ".join(shlex.quote(a) for a in ["benchmarks/speed_memory.py", *args.argv]),
-        "model": described, "device": args.device, "dtype": args.dtype, "threads": args.threads,
+        "model": described, "device": args.device, "dtype": args.dtype, "threads": args.threads, "busy": args.busy,
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "kvcompress": getattr(kvcompress, "__version__", "0.1.0"), "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -467,7 +471,8 @@ def markdown(results: dict) -> str:
         f"# Speed and memory: {env['model']}", "",
         f"Command: `{env['command']}`", "",
         f"{env['device']} {env['dtype']}, torch {env['torch']}, transformers {env['transformers']}, "
-        f"{env['threads']} torch thread(s) on a {env['cores']}-core machine (load average at start "
+        f"{env['threads']} torch thread(s) on a {env['cores']}-core machine with {env.get('busy', 0)} busy process(es) "
+        "beside (load average at start "
         f"{', '.join(f'{x:.1f}' for x in env['load_average_at_start'])}), {env['date']}. Budget {env['budget']} "
         f"({'fraction of the prompt' if env['budget'] < 1 else 'tokens'}), {env['new_tokens']} decode tokens, median "
         f"of {env['repeats']} alternating repeats. Peak memory: "
@@ -546,13 +551,16 @@ def markdown(results: dict) -> str:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default", choices=["default", "tiny-llama", "tiny-qwen3", "llama-7b-shape"])
+    parser.add_argument("--model", default="default",
+                        choices=["default", "tiny-llama", "tiny-llama-512", "tiny-qwen3", "llama-7b-shape"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--methods", nargs="+", default=["snapkv", "h2o"], choices=METHODS)
     parser.add_argument("--budget", type=float, default=0.2, help="fraction of the prompt (< 1) or tokens (>= 1)")
     parser.add_argument("--new-tokens", type=int, default=34, help="decode steps (34 = two eviction batches at slack 16)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="busy processes (a Python loop each) kept running beside the measurement, as on a shared CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="default: kvcompress.models.default_dtype(device), i.e. bfloat16 on CUDA and on CPUs with "
@@ -570,6 +578,20 @@ def parse_args(argv=None):
     return args
 
 
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """``count`` processes that keep a core busy for as long as the block runs (a shared machine)."""
+    processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        if processes:
+            time.sleep(1.0)  # let the scheduler see them
+        yield
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args._probe:
@@ -581,7 +603,8 @@ def main(argv=None) -> None:
         print(markdown(results))
         return
     started = time.perf_counter()
-    results = benchmark(args)
+    with busy_processes(args.busy):
+        results = benchmark(args)
     results["environment"]["wall_s"] = time.perf_counter() - started
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
