@@ -184,6 +184,11 @@ DEFAULT_TASKS = ("passkey", "niah", "kv-2", "vt")
 INSTRUCTION = "Read the text below carefully. A question about it follows at the end.\n\n"
 
 
+def _tokens_per_sentence(tokenizer: PreTrainedTokenizerBase) -> float:
+    """The mean token count of a filler sentence (with its leading space), to size a haystack."""
+    return sum(len(tokenizer(" " + s, add_special_tokens=False)["input_ids"]) for s in FILLER) / len(FILLER)
+
+
 def _haystack(rng: random.Random, needles: Sequence[Needle], filler_count: int) -> str:
     sentences = [FILLER[rng.randrange(len(FILLER))] for _ in range(filler_count)]
     for needle in sorted(needles, key=lambda n: n.depth, reverse=True):
@@ -203,7 +208,7 @@ def make_sample(task: str, length: int, depth: float, seed: int, tokenizer: PreT
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
     spec = TASKS[task](random.Random(f"{task}/{length}/{depth}/{seed}"), depth)
-    average = sum(len(tokenizer(" " + s, add_special_tokens=False)["input_ids"]) for s in FILLER) / len(FILLER)
+    average = _tokens_per_sentence(tokenizer)
     count = max(1, round(length / average))
     for _ in range(8):  # converges in two or three steps: the token count is nearly linear in the sentence count
         ids = _encode(tokenizer, spec, _haystack(random.Random(seed), spec.needles, count))
@@ -243,7 +248,7 @@ CHAT_INSTRUCTION = "Read the text below carefully. I will ask you a question abo
 def make_chat_sample(task: str, length: int, depth: float, seed: int, tokenizer: PreTrainedTokenizerBase) -> ChatSample:
     """``task``'s needle in a first turn of about ``length`` tokens, its question saved for the second turn."""
     spec = TASKS[task](random.Random(f"chat/{task}/{length}/{depth}/{seed}"), depth)
-    average = sum(len(tokenizer(" " + s, add_special_tokens=False)["input_ids"]) for s in FILLER) / len(FILLER)
+    average = _tokens_per_sentence(tokenizer)
     haystack = _haystack(random.Random(seed), spec.needles, max(1, round(length / average)))
     chat = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_INSTRUCTION + haystack}],
                                          add_generation_prompt=True, tokenize=True, return_dict=True)

@@ -560,7 +560,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--busy", type=int, default=0,
-                        help="busy processes (a Python loop each) kept running beside the measurement, as on a shared CPU")
+                        help="busy processes (a Python loop each) running beside the measurement, as on a shared CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="default: kvcompress.models.default_dtype(device), i.e. bfloat16 on CUDA and on CPUs with "

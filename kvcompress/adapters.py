@@ -25,6 +25,11 @@ class ModelLayout:
     attention_modules: list[nn.Module]  # one per decoder layer, in layer order
     sliding_layers: frozenset[int]  # layer indices whose cache is a sliding window (never compressed)
     rotary_emb: nn.Module | None
+    # the full-attention layers, in order: the ones kvcompress compresses (asked for on every forward)
+    compressed_layers: list[int] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.compressed_layers = [i for i in range(len(self.attention_modules)) if i not in self.sliding_layers]
 
 
 def text_config(model: nn.Module):

@@ -119,7 +119,6 @@ class CompressionSession:
         self.tokenizer = tokenizer
         self.scorer = parameters.scorer(parameters)
         self._prompt_budget, self._prompt_parameters = prompt_budget, prompt_parameters
-        self._row_units: torch.Tensor | None = None  # per-sequence scored areas of a fractional budget
         # each compressed layer's scored area per sequence, where it is not the parameters' (set per sequence)
         self._sequence_units: dict[int, torch.Tensor] = {}
         self.layout: ModelLayout | None = None
@@ -165,7 +164,7 @@ class CompressionSession:
                 layout.decoder.register_forward_pre_hook(self._before_decoder, with_kwargs=True)
             )
             self._handles.append(layout.decoder.register_forward_hook(self._after_decoder, with_kwargs=True))
-            compressed = [m for i, m in enumerate(layout.attention_modules) if i not in layout.sliding_layers]
+            compressed = [layout.attention_modules[i] for i in layout.compressed_layers]
             self._restore_attention = attention_function.install(compressed, self._attend)
         except BaseException:
             self._detach()
@@ -253,7 +252,7 @@ class CompressionSession:
 
     @property
     def compressed_layers(self) -> list[int]:
-        return [i for i in range(len(self.layout.attention_modules)) if i not in self.layout.sliding_layers]
+        return self.layout.compressed_layers
 
     @property
     def layers(self) -> dict[int, LayerState]:
@@ -301,9 +300,8 @@ class CompressionSession:
         new_valid = self._new_token_validity(mask, batch, length, seen, device)
         if seen == 0:
             self.evictions = 0
-            if self._prompt_parameters is not None:
-                self._fit_budget(new_valid)
-            self._sequence_units = self._initial_units(batch, device)
+            row_units = self._fit_budget(new_valid) if self._prompt_parameters is not None else None
+            self._sequence_units = self._initial_units(row_units, batch, device)
         given = kwargs.get("position_ids")
         # without position ids transformers numbers the new tokens after the cache's true length, as we do
         true_positions = given.expand(batch, -1) if given is not None else (
@@ -401,24 +399,24 @@ class CompressionSession:
                 cache.layers[index].__dict__.update(snapshot)
         self.timings["reconstruction"] += time.perf_counter() - started
 
-    def _fit_budget(self, prompt_valid: torch.Tensor) -> None:
+    def _fit_budget(self, prompt_valid: torch.Tensor) -> torch.Tensor:
         """A fractional budget meets a new prompt: the parameters of the longest prompt of the batch, and each
-        sequence's scored area from its own prompt's real tokens."""
+        sequence's scored area (B,) from its own prompt's real tokens."""
         lengths = prompt_valid.sum(-1).tolist()
         params = self._prompt_parameters(max(lengths))
         if params != self.parameters:
             self.parameters, self.scorer = params, params.scorer(params)
             self.scorer.bind(self.model, self.tokenizer)
         windows = params.start_size + params.recent_size
-        self._row_units = torch.tensor(
+        return torch.tensor(
             [max(0, self._prompt_budget(n) - windows) // params.unit_size for n in lengths], device=prompt_valid.device
         )
 
-    def _initial_units(self, batch: int, device: torch.device) -> dict[int, torch.Tensor]:
+    def _initial_units(self, base: torch.Tensor | None, batch: int, device: torch.device) -> dict[int, torch.Tensor]:
         """Each compressed layer's scored area per sequence when a sequence starts, where it is not the
-        parameters' uniform one: a fractional budget's per-sequence areas, PyramidKV's per-layer schedule."""
+        parameters' uniform one: a fractional budget's per-sequence areas ``base`` (B,), PyramidKV's per-layer
+        schedule."""
         params, layers = self.parameters, self.compressed_layers
-        base = self._row_units
         if params.budget_allocation != "pyramid":
             return {} if base is None else dict.fromkeys(layers, base)
         if base is None:
@@ -619,7 +617,8 @@ class CompressionSession:
         started = time.perf_counter()
         for number, (module, layer) in enumerate(layers):
             state = layer.state
-            index, valid = left_aligned_indices(keep[number * batch : (number + 1) * batch, ..., width - state.length :])
+            layer_keep = keep[number * batch : (number + 1) * batch, ..., width - state.length :]
+            index, valid = left_aligned_indices(layer_keep)
             if index.dim() == 3:  # per head: the same count per head, so one layout for all of them
                 valid = valid[:, 0]
             layer.keep(index, valid)  # filler slots (a row that keeps fewer than the widest) are dead

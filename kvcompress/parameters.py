@@ -174,7 +174,9 @@ class KVCacheCompressionParameters:
                     "and CriticalKV refine one layer's uniform budget); use budget_allocation='uniform'"
                 )
         if self.pyramid_beta < 1:
-            raise ValueError(f"pyramid_beta must be >= 1 (the top layer keeps 1/beta of the mean), got {self.pyramid_beta}")
+            raise ValueError(
+                f"pyramid_beta must be >= 1 (the top layer keeps 1/beta of the mean), got {self.pyramid_beta}"
+            )
         if self.head_selection not in HEAD_SELECTIONS:
             raise ValueError(f"head_selection must be one of {_allowed(HEAD_SELECTIONS)}, got {self.head_selection!r}")
         if self.head_selection == "per_head" and self.refined_algorithm is not None:
@@ -268,4 +270,6 @@ _INT_FIELDS = {
 }
 _BOOL_FIELDS = {"compress_during_decoding", "rerotate_keys"}
 _FLOAT_FIELDS = {"criticalkv_first_stage_ratio", "criticalkv_epsilon", "pyramid_beta"}
-_STR_FIELDS = {"budget_allocation", "head_selection", "strategy", "score_aggregation", "refined_algorithm", "kvcrush_anchor"}
+_STR_FIELDS = {
+    "budget_allocation", "head_selection", "strategy", "score_aggregation", "refined_algorithm", "kvcrush_anchor",
+}

@@ -1,4 +1,5 @@
-"""The README's quick start runs as written (with a short text and fewer new tokens, to keep the suite fast)."""
+"""The README's code runs as written (with short texts and fewer new tokens, to keep the suite fast): the quick
+start, and the chat whose second turn asks about the first turn's document."""
 
 import re
 from pathlib import Path
@@ -8,8 +9,8 @@ import pytest
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-@pytest.mark.slow
-def test_quick_start_runs():
+def _readme_code(heading: str, short_answer: tuple[str, str]) -> str:
+    """The first Python block after ``heading``, its ``max_new_tokens`` shortened; skips without the model."""
     from kvcompress.models import DefaultModelUnavailableError, default_gguf_path
 
     try:
@@ -17,9 +18,13 @@ def test_quick_start_runs():
     except DefaultModelUnavailableError as error:
         pytest.skip(f"default model not installed: {error}")
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Quick start"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    code = code.replace("max_new_tokens=256", "max_new_tokens=8")
+    code = re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)
+    return code.replace(*short_answer)
+
+
+@pytest.mark.slow
+def test_quick_start_runs():
+    code = _readme_code("## Quick start", ("max_new_tokens=256", "max_new_tokens=8"))
     namespace = {"long_text": "Remember: the harbor gate code is 7310. " + "Waves rolled in slowly. " * 120
                  + "What is the harbor gate code?"}
     exec(compile(code, str(README), "exec"), namespace)
@@ -29,16 +34,9 @@ def test_quick_start_runs():
 
 @pytest.mark.slow
 def test_chat_example_runs_and_turn_two_reads_turn_one():
-    from kvcompress.models import DefaultModelUnavailableError, default_gguf_path, load_default_model
+    code = _readme_code("**Chat with a compressed cache.**", ("max_new_tokens=64", "max_new_tokens=6"))
+    from kvcompress.models import load_default_model
 
-    try:
-        default_gguf_path()
-    except DefaultModelUnavailableError as error:
-        pytest.skip(f"default model not installed: {error}")
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("**Chat with a compressed cache.**"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    code = code.replace("max_new_tokens=64", "max_new_tokens=6")
     model, tokenizer = load_default_model()
     document = (" ".join(["The harbour was quiet in the morning fog."] * 40) + " The passkey is 48213. Remember it. "
                 + " ".join(["Gulls circled above the fishing boats."] * 40))

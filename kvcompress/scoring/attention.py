@@ -187,7 +187,8 @@ def _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, 
     key_bias = torch.zeros(slot_valid.shape).masked_fill_(~slot_valid, float("-inf")) if padded else none
     row_weight = observed.to(torch.float32).contiguous() if padded or partial else none
     dtype = queries.dtype
-    queries, keys, values = (t.float() if t.stride(-1) == 1 else t.float().contiguous() for t in (queries, keys, values))
+    queries, keys, values = (t.float() if t.stride(-1) == 1 else t.float().contiguous()
+                             for t in (queries, keys, values))
     summed, output = kernel.fused_attention(
         queries, keys, values, scaling, key_bias, row_weight, native.ROW_BLOCK, native.KEY_BLOCK
     )

@@ -68,15 +68,15 @@ def kernel() -> ModuleType | None:
     return _kernel
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def supports(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """The kernel handles CPU tensors in float32, and in half precision through float32 copies of one layer's
     queries, keys and values (the torch implementation it replaces computes in float32 too, chunk by chunk,
     3.6 × the uncompressed bfloat16 prefill and 17 × its peak memory on the tiny Llama at 8k); anything else
     takes the torch implementation."""
     return all(t.device.type == "cpu" and t.dtype in _DTYPES for t in (queries, keys, values))
-
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _build() -> ModuleType:
