@@ -56,7 +56,7 @@ def answer_attention(model, input_ids: torch.Tensor, max_new_tokens: int) -> tup
     answer = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)[0, input_ids.shape[1]:]
     length = input_ids.shape[1]
     out = model(input_ids, use_cache=True)
-    cache, rows = out.past_key_values, [[] for _ in range(model.config.num_hidden_layers)]
+    cache, rows = out.cache, [[] for _ in range(model.config.num_hidden_layers)]
     for token in answer[:-1]:
         step = model(token.view(1, 1), cache=cache, use_cache=True, output_attentions=True)
         for layer, weights in enumerate(step.attentions):

@@ -85,7 +85,7 @@ def generate(model, tokenizer, sample: Sample, params: KVCacheCompressionParamet
                              do_sample=False, return_dict_in_generate=True)
     seconds = time.perf_counter() - start
     text = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
-    return text, kv_cache_length(out.past_key_values), seconds
+    return text, kv_cache_length(out.cache), seconds
 
 
 def run(model, tokenizer, sample: Sample, method: str, budget: float, max_new_tokens: int) -> Record:

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
-from kvcompress.cache import kv_cache_bytes  # noqa: E402
+from kvbench.generation import cache_bytes  # noqa: E402
 from kvcompress.models import load_default_model  # noqa: E402
 from kvcompress.presets import NONE, budget_slots, method_names, preset  # noqa: E402
 from ruler.chat import PROTOCOLS, encode_prompt  # noqa: E402
@@ -153,7 +153,7 @@ def run_one(model, tokenizer, sample: dict, method: str, budget: float, protocol
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=max_new_tokens, return_dict_in_generate=True)
                 answer = out.sequences[0, ids.shape[1]:]
-                cache, held = out.past_key_values, ids.shape[1] + answer.shape[0] - 1
+                cache, held = out.cache, ids.shape[1] + answer.shape[0] - 1
             else:
                 context, question = ids[:, :compressed_tokens], ids[:, compressed_tokens:]
                 started = time.perf_counter()
@@ -162,9 +162,8 @@ def run_one(model, tokenizer, sample: dict, method: str, budget: float, protocol
                 held = compressed_tokens
                 answer = session.generate(question, max_new_tokens=max_new_tokens,
                                           eos_token_id=model.generation_config.eos_token_id)[0]
-            layers = [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel()]
-            slot_bytes = sum((layer.keys[0, :, 0].nbytes + layer.values[0, :, 0].nbytes) for layer in layers)
-            record.update(slots=slots, kv_bytes=kv_cache_bytes(cache), full_kv_bytes=slot_bytes * held)
+            kv_bytes, full_kv_bytes = cache_bytes(cache, held)
+            record.update(slots=slots, kv_bytes=kv_bytes, full_kv_bytes=full_kv_bytes)
         if timed and protocol == "context_first":
             started = time.perf_counter()
             model(ids[:, :compressed_tokens], use_cache=True, logits_to_keep=1)

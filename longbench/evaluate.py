@@ -1,4 +1,4 @@
-"""Scoring prediction files as the official ``eval.py`` does, and collecting an experiment's scores.
+"""Scoring predictions as the official ``eval.py`` does.
 
 ``scorer`` and ``scorer_e`` keep the official names, arguments and return values (first-line post-processing,
 max over gold answers, ``round(100 * mean, 2)``, LongBench-E buckets with NaN for an empty bucket), so numbers
@@ -7,24 +7,16 @@ from this module can be put next to published LongBench tables.
 
 from __future__ import annotations
 
-import json
-import logging
 import warnings
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
-from .experiment import CompressionSetting, Experiment
-from .layout import OutputLayout
 from .metrics import METRICS, check_fixes
-from .predictions import read_predictions
-from .report import summarise, write_reports
 from .tasks import TASKS, V1_TASKS
 
-__all__ = ["dataset2metric", "scorer", "scorer_e", "sample_score", "evaluate_experiment"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["dataset2metric", "scorer", "scorer_e", "sample_score"]
 
 dataset2metric = {name: METRICS[TASKS[name].metric] for name in V1_TASKS}
 
@@ -93,48 +85,3 @@ def scorer_e(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "Mean of empty slice" is the documented NaN
         return {key: round(100 * float(np.mean(values)), 2) for key, values in buckets.items()}
-
-
-def _score_file(task: str, lines: list[dict[str, Any]], fixes: Collection[str]) -> float | dict[str, float]:
-    predictions = [line["pred"] for line in lines]
-    answers = [line["answers"] for line in lines]
-    all_classes = lines[-1]["all_classes"]  # eval.py keeps the last line's value
-    if TASKS[task].is_longbench_e:
-        return scorer_e(task, predictions, answers, [line["length"] for line in lines], all_classes, fixes=fixes)
-    return scorer(task, predictions, answers, all_classes, fixes=fixes)
-
-
-def _evaluate_setting(experiment: Experiment, setting: CompressionSetting) -> tuple[dict[str, Any], dict[str, int]]:
-    """Scores of the setting's prediction files (tasks without a file are left out), and sample counts."""
-    layout = OutputLayout(experiment.output_dir)
-    scores: dict[str, Any] = {}
-    samples: dict[str, int] = {}
-    for task in experiment.tasks:
-        lines = [line.record for line in read_predictions(layout.prediction_file(setting.name, task))]
-        if lines:
-            scores[task] = _score_file(task, lines, experiment.metric_fixes)
-            samples[task] = len(lines)
-    for longbench_e in (False, True):
-        official = {
-            TASKS[task].base: score for task, score in scores.items() if TASKS[task].is_longbench_e == longbench_e
-        }
-        if official:
-            path = layout.result_file(setting.name, longbench_e)
-            path.write_text(json.dumps(official, ensure_ascii=False, indent=4), encoding="utf-8")
-    return scores, samples
-
-
-def evaluate_experiment(experiment: Experiment, settings: Sequence[CompressionSetting]) -> dict[str, Any]:
-    """Scores every setting that has predictions and writes ``scores.json/.csv/.md/.png`` for them."""
-    evaluated = []
-    for setting in settings:
-        scores, samples = _evaluate_setting(experiment, setting)
-        if scores:
-            evaluated.append((setting, scores, samples))
-        else:
-            logger.warning("setting %s has no predictions yet; left out of the report", setting.name)
-    if not evaluated:
-        raise FileNotFoundError(f"no prediction files under {experiment.output_dir}; run `predict` first")
-    summary = summarise(experiment, evaluated)
-    write_reports(summary, OutputLayout(experiment.output_dir))
-    return summary

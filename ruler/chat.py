@@ -52,9 +52,14 @@ class EncodedPrompt:
     prefill_length: int
 
 
-def chat_prompt(tokenizer: Any, parts: PromptParts) -> ChatPrompt:
-    """The text of the prompt, cut where ``context_first`` stops compressing."""
-    if getattr(tokenizer, "chat_template", None) is None:
+def _templated(tokenizer: Any, chat_template: bool) -> bool:
+    return chat_template and getattr(tokenizer, "chat_template", None) is not None
+
+
+def chat_prompt(tokenizer: Any, parts: PromptParts, chat_template: bool = True) -> ChatPrompt:
+    """The text of the prompt, cut where ``context_first`` stops compressing; ``chat_template=False`` gives RULER's
+    raw input even when the tokenizer has a template."""
+    if not _templated(tokenizer, chat_template):
         return ChatPrompt(parts.context, parts.question + parts.answer_prefix)
     separator = "\n" + "#" * len(parts.context)  # kvpress's: cannot occur in the template or the context
     rendered = tokenizer.apply_chat_template(
@@ -67,12 +72,12 @@ def chat_prompt(tokenizer: Any, parts: PromptParts) -> ChatPrompt:
     return ChatPrompt(head, parts.question + turn_end + parts.answer_prefix)
 
 
-def encode_prompt(tokenizer: Any, parts: PromptParts, protocol: Protocol) -> EncodedPrompt:
+def encode_prompt(tokenizer: Any, parts: PromptParts, protocol: Protocol, chat_template: bool = True) -> EncodedPrompt:
     """Token ids of ``chat_prompt``; the head's ids end exactly at the context, whatever the protocol."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {', '.join(PROTOCOLS)}")
-    prompt = chat_prompt(tokenizer, parts)
-    templated = getattr(tokenizer, "chat_template", None) is not None
+    prompt = chat_prompt(tokenizer, parts, chat_template)
+    templated = _templated(tokenizer, chat_template)
     head = list(tokenizer.encode(prompt.head, add_special_tokens=not templated))
     tail = list(tokenizer.encode(prompt.tail, add_special_tokens=False))
     return EncodedPrompt(head + tail, len(head) + len(tail) if protocol == "query_aware" else len(head))

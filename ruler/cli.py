@@ -1,13 +1,17 @@
-"""``kvcompress-ruler generate``: RULER records for a tokenizer, made by the official generator scripts.
+"""``kvcompress-ruler``: ``generate`` RULER records for a tokenizer with the official generator scripts, and
+``run`` / ``predict`` / ``evaluate`` an experiment file (``kvcompress-eval`` with RULER as the default benchmark).
 
-One line per task and length says where the records are, how many seconds they took and whether they came from
-the cache. Tasks run one after another: each script is single-threaded and spends most of its time starting up.
+``generate`` prints one line per task and length: where the records are, how many seconds they took and whether
+they came from the cache. Tasks run one after another: each script is single-threaded and spends most of its time
+starting up.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from kvbench.cli import add_commands, run
 
 from .generate import DEFAULT_TOKENIZER, PREPARE_SEED, GenerationError, RulerUnavailableError, generate, task_names
 
@@ -32,7 +36,9 @@ def _lengths(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcompress-ruler", description="RULER data generation (docs/ruler.md).")
+    parser = argparse.ArgumentParser(
+        prog="kvcompress-ruler", description="RULER data generation and evaluation (docs/ruler.md)."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser(
         "generate", help="write OUT/<task>_<length>/validation.jsonl with the official generator scripts"
@@ -56,11 +62,14 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds one generator run may take (default: 1800)"
     )
+    add_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     arguments = _parser().parse_args(argv)
+    if arguments.command != "generate":
+        return run(arguments, "kvcompress-ruler", "ruler")
     if arguments.samples <= 0:
         print("kvcompress-ruler: error: --samples must be positive", file=sys.stderr)
         return 2

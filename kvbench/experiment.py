@@ -1,0 +1,315 @@
+"""YAML experiments: one benchmark, one model, a sweep of compression settings, the benchmark's tasks, an output
+folder.
+
+Everything is validated before a model is loaded: a typo in a key or a wrong value fails in a second with the
+key's path (``compression[2].budgets[0]``) and the allowed values, instead of after an hour of generation.
+Relative paths (``output_dir`` and the benchmark's data paths) are resolved against the config file's folder, so a
+config runs the same from any working directory; ``model.path`` keeps Hugging Face semantics (a local folder or a
+Hub id). The keys shared by every benchmark are parsed here; ``benchmark`` (default ``longbench``) names the
+module that parses the rest (``tasks``, ``data``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .benchmark import BENCHMARKS, Benchmark, get_benchmark
+from .config import (
+    ConfigError, check_boolean, check_integer, check_mapping, check_name, check_string, no_unknown_keys, type_name,
+)
+
+__all__ = [
+    "ConfigError", "ModelSpec", "CompressionSetting", "Experiment", "load_experiment", "parse_experiment",
+    "pipeline_record",
+]
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+STREAMINGLLM = "streamingllm"  # the runner's name for kvcompress's streaming_llm preset (KVCache-Factory's)
+DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct of kvcompress.models
+DEFAULT_BENCHMARK = "longbench"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    path: str
+    dtype: str = "auto"
+    attn_implementation: str = "sdpa"
+    device_map: str | dict[str, Any] | None = None
+    chat_template: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionSetting:
+    """One column of the results: a named compression configuration, or the full cache (``method='none'``).
+
+    ``budget`` is the slots per layer (an integer), a fraction in (0, 1) of each prompt's compressed tokens, or
+    None (the full cache, or explicit parameters). ``parameters`` are kvcompress's parameters when they do not
+    depend on the prompt (an integer budget or explicit fields), else None; ``overrides`` are the fields the
+    setting gives on top of the method's preset.
+    """
+
+    name: str
+    method: str
+    budget: int | float | None
+    parameters: Any = None  # a kvcompress KVCacheCompressionParameters, or None
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_full_cache(self) -> bool:
+        return self.method == "none"
+
+    def compression(self, model: Any, tokenizer: Any) -> Any:
+        """The kvcompress session that applies this setting to ``model`` (a context manager)."""
+        from kvcompress import compress
+        from kvcompress.compressor import CompressionSession
+
+        if self.is_full_cache:
+            raise ValueError(f"setting {self.name!r} is the full cache: nothing to attach")
+        if self.parameters is not None:
+            return CompressionSession(model, self.parameters, tokenizer)
+        return compress(model, _preset_name(self.method), self.budget, tokenizer, **self.overrides)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "method": self.method, "budget": self.budget,
+            "parameters": None if self.parameters is None else self.parameters.to_dict(),
+            "overrides": dict(self.overrides),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    benchmark: Benchmark
+    options: Any  # what the benchmark's parse_options returned; options.tasks are the tasks run
+    model: ModelSpec
+    settings: tuple[CompressionSetting, ...]
+    output_dir: Path
+    limit: int | None = None
+    seed: int = 42
+    max_new_tokens: int | None = None
+    shard_timeout: float = 1800.0
+    name: str | None = None
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(self.options.tasks)
+
+    def select_settings(self, names: list[str] | None) -> list[CompressionSetting]:
+        """The settings named on the command line (all when ``names`` is None), in config order."""
+        if names is None:
+            return list(self.settings)
+        known = {setting.name for setting in self.settings}
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise ConfigError(f"--settings: unknown setting(s) {unknown}; this experiment has {sorted(known)}")
+        return [setting for setting in self.settings if setting.name in names]
+
+
+# ---------------------------------------------------------------------------------------------- sections
+def _parse_model(value: Any) -> ModelSpec:
+    if isinstance(value, str):
+        return ModelSpec(path=check_string(value, "model"))
+    section = check_mapping(value, "model")
+    no_unknown_keys(section, {field.name for field in dataclasses.fields(ModelSpec)}, "model")
+    if "path" not in section:
+        raise ConfigError(f"model.path: required (a local folder, a Hub id, or {DEFAULT_MODEL!r})")
+    device_map = section.get("device_map")
+    if device_map is not None and not isinstance(device_map, (str, Mapping)):
+        raise ConfigError(
+            f"model.device_map: must be null, a string ('auto', 'cuda:0', ...) or a mapping, got {device_map!r}"
+        )
+    return ModelSpec(
+        path=check_string(section["path"], "model.path"),
+        dtype=check_string(section.get("dtype", "auto"), "model.dtype", DTYPES),
+        attn_implementation=check_string(
+            section.get("attn_implementation", "sdpa"), "model.attn_implementation", ATTN_IMPLEMENTATIONS
+        ),
+        device_map=dict(device_map) if isinstance(device_map, Mapping) else device_map,
+        chat_template=check_boolean(section.get("chat_template", True), "model.chat_template"),
+    )
+
+
+def _parameter_fields() -> frozenset[str]:
+    from kvcompress.parameters import KVCacheCompressionParameters
+
+    return frozenset(field.name for field in dataclasses.fields(KVCacheCompressionParameters))
+
+
+def _methods() -> tuple[str, ...]:
+    """``none``, ``streamingllm`` and every kvcompress preset (the registered scorers)."""
+    from kvcompress.presets import NONE, STREAMING_LLM, method_names
+
+    return (NONE, STREAMINGLLM, *(m for m in method_names() if m not in (NONE, STREAMING_LLM)))
+
+
+def _preset_name(method: str) -> str:
+    from kvcompress.presets import STREAMING_LLM
+
+    return STREAMING_LLM if method == STREAMINGLLM else method
+
+
+def _build_parameters(method: str, budget: int | float | None, fields: dict[str, Any], key: str) -> Any:
+    """kvcompress's preset when a budget is given (a fraction is checked on a 1,024-token prompt), else the
+    explicit fields; kvcompress's own errors get the key prefixed (``key.field`` when they name one)."""
+    from kvcompress.parameters import KVCacheCompressionParameters
+    from kvcompress.presets import budget_slots, preset
+
+    try:
+        if budget is not None:
+            return preset(_preset_name(method), budget_slots(budget, 1024), **fields)
+        if fields.get("algorithm", method) != method:
+            raise ValueError(f"algorithm: {fields['algorithm']!r} contradicts method {method!r}")
+        return KVCacheCompressionParameters.from_dict({**fields, "algorithm": method})
+    except (TypeError, ValueError) as error:
+        field = str(error).split(":")[0]
+        named = field in _parameter_fields() or field == "budget"
+        raise ConfigError(f"{key}.{error}" if named else f"{key}: {error}") from None
+
+
+def _budget(value: Any, key: str) -> int | float:
+    if isinstance(value, float) and 0.0 < value < 1.0:
+        return value
+    if isinstance(value, float):
+        raise ConfigError(f"{key}: a fractional budget must lie in (0, 1), got {value!r}")
+    try:
+        return check_integer(value, key, 1)
+    except ConfigError:
+        raise ConfigError(
+            f"{key}: must be an integer (slots per layer) or a fraction in (0, 1) of the prompt, got "
+            f"{type_name(value)} {value!r}"
+        ) from None
+
+
+def _budget_label(budget: int | float) -> str:
+    return str(budget) if isinstance(budget, int) else f"{budget:g}"
+
+
+def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
+    if entry in ("none", "full"):
+        return [CompressionSetting("full", "none", None)]
+    section = dict(check_mapping(entry, key))
+    parameter_fields = _parameter_fields()
+    no_unknown_keys(section, {"name", "method", "budget", "budgets"} | parameter_fields, key)
+    if "method" in section:
+        method = check_string(section.pop("method"), f"{key}.method", _methods())
+    else:  # explicit fields: the algorithm names the method (kvcompress's default algorithm when absent)
+        method = check_string(section.get("algorithm", "snapkv"), f"{key}.algorithm", ("snapkv", "h2o"))
+    name = check_name(section.pop("name"), f"{key}.name") if "name" in section else None
+    if method == "none":
+        if section:
+            raise ConfigError(f"{key}.{sorted(section)[0]}: method 'none' (the full cache) takes only a name")
+        return [CompressionSetting(name or "full", "none", None)]
+    if "budget" in section and "budgets" in section:
+        raise ConfigError(f"{key}: give either budget or budgets, not both")
+    if "budgets" in section:
+        budgets = section.pop("budgets")
+        if not isinstance(budgets, list) or not budgets:
+            raise ConfigError(f"{key}.budgets: must be a non-empty list of budgets, got {budgets!r}")
+        budgets = [_budget(value, f"{key}.budgets[{index}]") for index, value in enumerate(budgets)]
+    elif "budget" in section:
+        budgets = [_budget(section.pop("budget"), f"{key}.budget")]
+    elif method == STREAMINGLLM:
+        raise ConfigError(f"{key}.budget: required for method '{STREAMINGLLM}'")
+    else:
+        budgets = [None]
+    settings = []
+    for budget in budgets:
+        parameters = _build_parameters(method, budget, dict(section), key)
+        size = parameters.max_cache_size if budget is None else budget
+        # a sweep's settings are <name or method>-<budget>; a single setting keeps the name it was given
+        label = name if name is not None and "budgets" not in entry else f"{name or method}-{_budget_label(size)}"
+        fixed = parameters if not isinstance(budget, float) else None  # a fraction is resolved per prompt
+        settings.append(CompressionSetting(label, method, size, fixed, dict(section)))
+    return settings
+
+
+def _parse_settings(value: Any) -> tuple[CompressionSetting, ...]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"compression: must be a non-empty list of settings, got {value!r}")
+    settings: list[CompressionSetting] = []
+    for index, entry in enumerate(value):
+        for setting in _parse_setting(entry, f"compression[{index}]"):
+            if any(other.name == setting.name for other in settings):
+                raise ConfigError(f"compression[{index}]: setting name {setting.name!r} is used twice")
+            settings.append(setting)
+    return tuple(settings)
+
+
+_SHARED = {
+    "name", "benchmark", "model", "compression", "output_dir", "limit", "seed", "max_new_tokens", "shard_timeout",
+}
+_REQUIRED = {
+    "model": "model: required (path, dtype, attn_implementation, device_map, chat_template)",
+    "compression": "compression: required (a list of settings; 'none' is the full cache)",
+    "output_dir": "output_dir: required (relative paths are relative to the config file)",
+}
+
+
+def parse_experiment(config: Any, base_dir: Path, default_benchmark: str = DEFAULT_BENCHMARK) -> Experiment:
+    """Builds an experiment from the parsed YAML; ``base_dir`` anchors relative paths. ``default_benchmark``
+    applies when the file has no ``benchmark`` key (``kvcompress-ruler run`` passes ``ruler``)."""
+    config = check_mapping(config, "the experiment file")
+    benchmark_name = check_string(config.get("benchmark", default_benchmark), "benchmark", tuple(BENCHMARKS))
+    benchmark = get_benchmark(benchmark_name)
+    no_unknown_keys(config, _SHARED | set(benchmark.keys), "")
+    for key, message in {**_REQUIRED, **benchmark.keys}.items():
+        if key not in config and (key in _REQUIRED or key in benchmark.required):
+            raise ConfigError(message)
+    limit, max_new_tokens = config.get("limit"), config.get("max_new_tokens")
+    timeout = config.get("shard_timeout", 1800)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"shard_timeout: must be a positive number of seconds, got {timeout!r}")
+    model = _parse_model(config["model"])
+    return Experiment(
+        benchmark=benchmark,
+        options=benchmark.parse_options(config, base_dir, model.path),
+        name=None if config.get("name") is None else check_string(config["name"], "name"),
+        model=model,
+        settings=_parse_settings(config["compression"]),
+        output_dir=(base_dir / check_string(config["output_dir"], "output_dir")).resolve(),
+        limit=None if limit is None else check_integer(limit, "limit", 1),
+        seed=check_integer(config.get("seed", 42), "seed", 0),
+        max_new_tokens=None if max_new_tokens is None else check_integer(max_new_tokens, "max_new_tokens", 1),
+        shard_timeout=float(timeout),
+    )
+
+
+def load_experiment(path: str | Path, default_benchmark: str = DEFAULT_BENCHMARK) -> Experiment:
+    path = Path(path)
+    try:
+        with path.open(encoding="utf-8") as handle:
+            config = yaml.safe_load(handle)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML ({error})") from None
+    return parse_experiment(config, path.resolve().parent, default_benchmark)
+
+
+def pipeline_record(experiment: Experiment, setting: CompressionSetting) -> dict[str, Any]:
+    """What produces a setting's predictions, written next to them (papers differ exactly here: chat template,
+    truncation cap, protocol). ``generation`` must not change while a setting's files are resumed."""
+    model = experiment.model
+    versions = {}
+    for package in ("kvcompress", "transformers", "torch"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "generation": {
+            "benchmark": experiment.benchmark.name,
+            "model": model.path, "dtype": model.dtype, "attn_implementation": model.attn_implementation,
+            "chat_template": model.chat_template,
+            "max_new_tokens": experiment.max_new_tokens,  # null: the benchmark's own length per task
+            "seed": experiment.seed,
+            **experiment.benchmark.pipeline(experiment.options),
+            "compression": setting.describe(),
+        },
+        "versions": versions,
+    }

@@ -1,0 +1,89 @@
+"""One sample's greedy generation under a compression setting, with the cache's real key/value bytes.
+
+Both protocols of the KV-compression literature run through here. When the prompt's ``prefill_length`` covers
+all of it (LongBench, RULER ``query_aware``), the whole prompt goes to ``model.generate`` inside the compressor,
+so the question is seen when the prompt is compressed. When it covers the context only (RULER ``context_first``,
+kvpress's leaderboard protocol), ``session.prefill`` compresses the context first and ``session.generate`` reads
+the question and answers on the compressed context. The full cache runs the whole prompt through plain
+``generate`` either way: with nothing evicted the two protocols compute the same thing.
+
+The KV bytes are measured, not derived from the budget: ``kv_bytes`` is what the cache's key and value tensors
+hold once the prompt is compressed (for ``query_aware`` at the end of generation, decoded tokens included), and
+``full_kv_bytes`` what the uncompressed cache holds for the same tokens (each compressed layer's bytes per slot
+times the tokens it has seen; layers kvcompress does not compress, such as sliding windows, count as they are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .benchmark import Prompt
+from .experiment import CompressionSetting
+from .modeling import input_device
+
+__all__ = ["Generated", "cache_bytes", "generate"]
+
+GREEDY = {"num_beams": 1, "do_sample": False, "temperature": 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    new_ids: list[int]
+    kv_bytes: int
+    full_kv_bytes: int
+
+
+def cache_bytes(cache: Any, tokens: int) -> tuple[int, int]:
+    """(bytes held, bytes the full cache would hold for ``tokens`` tokens) of a batch-of-one cache."""
+    from kvcompress.cache import CompressedLayer
+
+    held = full = 0
+    for layer in cache.layers:
+        if layer.keys is None or not layer.keys.numel():
+            continue
+        size = layer.keys.nbytes + layer.values.nbytes
+        held += size
+        if isinstance(layer, CompressedLayer):
+            full += (layer.keys[..., :1, :].nbytes + layer.values[..., :1, :].nbytes) * tokens
+        else:
+            full += size
+    return held, full
+
+
+@torch.no_grad()
+def generate(model: Any, tokenizer: Any, setting: CompressionSetting, prompt: Prompt) -> Generated:
+    """Greedy new tokens for ``prompt`` (batch size 1) under ``setting``, and the cache's bytes."""
+    ids = torch.tensor([prompt.input_ids], device=input_device(model))
+    options = {**GREEDY, **prompt.generation}
+    if setting.is_full_cache or not prompt.context_first:
+        if setting.is_full_cache:
+            output = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **options)
+        else:
+            with setting.compression(model, tokenizer):
+                output = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **options
+                )
+        new_ids = output.sequences[0, ids.shape[1]:].tolist()
+        # the last token is returned, never fed: the cache holds the prompt and all new tokens but one
+        kv_bytes, full_kv_bytes = cache_bytes(output.cache, ids.shape[1] + len(new_ids) - 1)
+        return Generated(new_ids, kv_bytes, full_kv_bytes)
+    unsupported = sorted(set(options) - set(GREEDY) - {"max_new_tokens", "eos_token_id"})
+    if unsupported:
+        raise ValueError(f"the context-first protocol does not take the generation option(s) {unsupported}")
+    context, question = ids[:, :prompt.prefill_length], ids[:, prompt.prefill_length:]
+    with setting.compression(model, tokenizer) as session:
+        cache = session.prefill(context)
+        kv_bytes, full_kv_bytes = cache_bytes(cache, prompt.prefill_length)
+        answer = session.generate(question, max_new_tokens=options["max_new_tokens"],
+                                  eos_token_id=options.get("eos_token_id"))
+    eos = options.get("eos_token_id", model.generation_config.eos_token_id)
+    eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    new_ids = answer[0].tolist()
+    for position, token in enumerate(new_ids):  # finished sequences are padded with their end token
+        if token in eos:
+            new_ids = new_ids[: position + 1]
+            break
+    return Generated(new_ids, kv_bytes, full_kv_bytes)

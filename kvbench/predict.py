@@ -1,0 +1,154 @@
+"""Generating predictions: greedy decoding under a KV-cache compressor, one durable line per sample, resumable.
+
+Each sample is generated on its own (batch size 1, greedy), so a sample's prediction does not depend on which
+other samples ran before it, in this process or another: that is what makes a resumed or sharded run produce
+byte-identical files to an uninterrupted single-process one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .experiment import CompressionSetting, ConfigError, Experiment, pipeline_record
+from .generation import generate
+from .layout import OutputLayout
+from .modeling import load_model
+from .predictions import PredictionWriter, merge, read_predictions
+from .sharding import Shard, wait_for_samples
+
+__all__ = ["generate_prediction", "predict_task", "predict_experiment"]
+
+
+def seed_everything(seed: int) -> None:
+    """LongBench pred.py's seeding. Greedy decoding draws no random numbers; this only keeps any other code path
+    repeatable."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+
+
+def generate_prediction(
+    model: Any,
+    tokenizer: Any,
+    experiment: Experiment,
+    setting: CompressionSetting,
+    task: str,
+    record: Mapping[str, Any],
+) -> str:
+    """One sample's prediction line (JSON text with its newline): the benchmark's prompt, greedy generation
+    under the setting's compressor, the decoded new tokens, the cache's real KV bytes."""
+    benchmark = experiment.benchmark
+    prompt = benchmark.prompt(experiment.options, task, record, tokenizer, experiment.model.chat_template)
+    if experiment.max_new_tokens is not None:
+        prompt = type(prompt)(prompt.input_ids, prompt.prefill_length,
+                              {**prompt.generation, "max_new_tokens": experiment.max_new_tokens})
+    generated = generate(model, tokenizer, setting, prompt)
+    line = benchmark.prediction_line(record, tokenizer.decode(generated.new_ids, skip_special_tokens=True))
+    line.update(_id=record["_id"], kv_bytes=generated.kv_bytes, full_kv_bytes=generated.full_kv_bytes)
+    return json.dumps(line, ensure_ascii=False) + "\n"
+
+
+def _done_ids(experiment: Experiment, layout: OutputLayout, setting: str, task: str) -> set[str]:
+    """Samples already predicted by any earlier run, single-process or sharded, whatever its world size."""
+    files = [layout.prediction_file(setting, task), *layout.shard_files(setting, task)]
+    return {line.sample_id for path in files for line in read_predictions(path, experiment.benchmark.line_keys)}
+
+
+def predict_task(
+    model: Any,
+    tokenizer: Any,
+    experiment: Experiment,
+    setting: CompressionSetting,
+    task: str,
+    records: Sequence[Mapping[str, Any]],
+    shard: Shard,
+) -> None:
+    """Predicts this rank's share of ``records`` that no earlier run finished, one durable line per sample."""
+    layout = OutputLayout(experiment.output_dir, experiment.benchmark)
+    target = (
+        layout.prediction_file(setting.name, task)
+        if shard.world_size == 1
+        else layout.shard_file(setting.name, task, shard.rank)
+    )
+    # drop a line torn by a crash before appending after it
+    read_predictions(target, experiment.benchmark.line_keys, repair=True)
+    done = _done_ids(experiment, layout, setting.name, task)
+    mine = shard.select(records)
+    todo = [record for record in mine if record["_id"] not in done]
+    rank = f" [rank {shard.rank}/{shard.world_size}]" if shard.world_size > 1 else ""
+    with PredictionWriter(target) as writer, tqdm(
+        total=len(mine), initial=len(mine) - len(todo), desc=f"{setting.name}/{task}{rank}", unit="sample"
+    ) as progress:
+        for record in todo:
+            writer.append(generate_prediction(model, tokenizer, experiment, setting, task, record))
+            progress.update()
+
+
+def _finalise_task(experiment: Experiment, setting: str, task: str, order: Sequence[str]) -> None:
+    """Rank 0: waits until every sample has a line somewhere, then writes the task's file in data order."""
+    layout = OutputLayout(experiment.output_dir, experiment.benchmark)
+    keys = experiment.benchmark.line_keys
+    final = layout.prediction_file(setting, task)
+    wanted = set(order)
+
+    def missing() -> int:
+        return len(wanted - _done_ids(experiment, layout, setting, task))
+
+    wait_for_samples(missing, f"{setting}/{task}", experiment.shard_timeout)
+    shards = layout.shard_files(setting, task)
+    merge(final, [read_predictions(final, keys), *(read_predictions(path, keys) for path in shards)], order)
+    for path in shards:
+        path.unlink()
+
+
+def _check_pipeline(experiment: Experiment, setting: CompressionSetting) -> None:
+    """Records the pipeline on first use; refuses to resume predictions that a different pipeline started."""
+    path = OutputLayout(experiment.output_dir, experiment.benchmark).pipeline_file(setting.name)
+    record = pipeline_record(experiment, setting)
+    if path.exists():
+        previous = json.loads(path.read_text(encoding="utf-8"))["generation"]
+        changed = sorted(key for key in record["generation"] if previous.get(key) != record["generation"][key])
+        if changed:
+            raise ConfigError(
+                f"{path}: the predictions in {path.parent} were made with different {changed}; resuming would mix "
+                "two pipelines. Use another output_dir or setting name, or delete that folder"
+            )
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    staging.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    staging.replace(path)  # ranks may race here; they write the same content
+
+
+def predict_experiment(experiment: Experiment, settings: Sequence[CompressionSetting], shard: Shard) -> None:
+    """Predicts every (setting, task) pair on this rank; rank 0 then merges all ranks' files."""
+    for setting in settings:
+        _check_pipeline(experiment, setting)
+    benchmark = experiment.benchmark
+    records = {
+        task: benchmark.load_records(experiment.options, task, experiment.output_dir)[: experiment.limit]
+        for task in experiment.tasks
+    }
+    seed_everything(experiment.seed)
+    model, tokenizer = load_model(experiment.model, shard)
+    if experiment.model.chat_template and tokenizer.chat_template is None:
+        raise ConfigError(
+            f"model.chat_template: true, but the tokenizer of {experiment.model.path} has no chat template; set it "
+            "to false for the raw-prompt pipeline (as SnapKV, AdaKV and PyramidKV ran Mistral)"
+        )
+    for setting in settings:
+        for task in experiment.tasks:
+            predict_task(model, tokenizer, experiment, setting, task, records[task], shard)
+    if shard.is_main:
+        for setting in settings:
+            for task in experiment.tasks:
+                _finalise_task(experiment, setting.name, task, [record["_id"] for record in records[task]])

@@ -1,0 +1,131 @@
+"""YAML experiments: sweeps, defaults, and errors that name the offending key; the shipped configs parse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvbench.experiment import ConfigError, load_experiment, parse_experiment
+from longbench.cli import main
+from longbench.tasks import ENGLISH16
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _parse(tmp_path, make_config, **overrides):
+    return load_experiment(make_config(tmp_path, **overrides))
+
+
+def test_sweep_expands_methods_and_budgets(tmp_path, make_config):
+    experiment = _parse(
+        tmp_path, make_config,
+        compression=[
+            "none",
+            {"method": "snapkv", "budgets": [128, 1024], "window_size": 32, "start_size": 0, "recent_size": 32},
+            {"method": "h2o", "budget": 256},
+            {"method": "streamingllm", "budgets": [128]},
+            {"name": "explicit", "algorithm": "h2o", "start_size": 4, "intermediate_size": 60, "recent_size": 0},
+        ],
+    )
+    names = [setting.name for setting in experiment.settings]
+    assert names == ["full", "snapkv-128", "snapkv-1024", "h2o-256", "streamingllm-128", "explicit"]
+    full, snap128, snap1024, h2o, streaming, explicit = experiment.settings
+    assert full.parameters is None and full.budget is None
+    assert (snap1024.parameters.start_size, snap1024.parameters.intermediate_size, snap1024.parameters.recent_size) == (
+        0, 992, 32)
+    assert snap128.parameters.window_size == 32 and snap128.budget == 128
+    assert h2o.parameters.algorithm == "h2o" and h2o.parameters.max_cache_size == 256
+    assert (streaming.parameters.start_size, streaming.parameters.intermediate_size,
+            streaming.parameters.recent_size) == (4, 0, 124)
+    assert explicit.method == "h2o" and explicit.budget == 64
+
+
+def test_defaults_and_path_resolution(tmp_path, make_config):
+    experiment = _parse(tmp_path, make_config, tasks="english16", output_dir="../results")
+    assert experiment.tasks == ENGLISH16
+    assert experiment.output_dir == (tmp_path.parent / "results").resolve()
+    assert (experiment.seed, experiment.limit, experiment.options.min_one_new_token) == (42, None, False)
+    assert experiment.model.chat_template is True and experiment.model.attn_implementation == "sdpa"
+
+
+def test_default_model_shorthand(tmp_path, make_config):
+    assert _parse(tmp_path, make_config, model="default").model.path == "default"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"modle": {"path": "x"}}, r"^modle: unknown key; allowed keys: \["),
+        ({"model": {"path": "x", "dtpye": "float16"}}, r"^model\.dtpye: unknown key; allowed keys of model"),
+        ({"model": {"path": "x", "dtype": "fp16"}}, r"^model\.dtype: must be one of \['auto', 'float32'"),
+        ({"model": {"path": "x", "chat_template": "no"}}, r"^model\.chat_template: must be true or false"),
+        ({"model": {"dtype": "float16"}}, r"^model\.path: required"),
+        ({"max_length": "31500"}, r"^max_length: must be an integer, got str '31500'"),
+        ({"max_length": None}, r"^max_length: required, the prompt truncation cap"),
+        ({"limit": 0}, r"^limit: must be >= 1, got 0"),
+        ({"limit": True}, r"^limit: must be an integer, got bool"),
+        ({"tasks": ["qasper", "narative_qa"]}, r"^tasks: unknown task 'narative_qa'"),
+        ({"tasks": 3}, r"^tasks: must be a group"),
+        ({"data": {"folder": "a", "hub": "b"}}, r"^data: give exactly one of"),
+        ({"data": {"path": "a"}}, r"^data\.path: unknown key"),
+        ({"data": {"folder": "no/such/folder"}}, r"^data\.folder: .* is not a folder"),
+        ({"metric_fixes": ["rouge"]}, r"^metric_fixes: must be a list drawn from"),
+        ({"shard_timeout": -1}, r"^shard_timeout: must be a positive number"),
+        ({"compression": []}, r"^compression: must be a non-empty list"),
+    ],
+)
+def test_errors_name_the_key(tmp_path, make_config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _parse(tmp_path, make_config, **overrides)
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"method": "snapkv", "budgte": 128}, r"^compression\[1\]\.budgte: unknown key"),
+        ({"method": "pyramidkv", "budget": 128}, r"^compression\[1\]\.method: must be one of"),
+        ({"method": "snapkv", "budgets": [128, "256"]}, r"^compression\[1\]\.budgets\[1\]: must be an integer"),
+        ({"method": "snapkv", "budget": 128, "budgets": [256]}, r"^compression\[1\]: give either"),
+        ({"method": "h2o", "budget": 128, "window_size": 8}, r"^compression\[1\]: window_size is only allowed"),
+        ({"method": "snapkv", "budget": 128, "score_aggregation": "mean"}, r"^compression\[1\]: score_aggregation"),
+        ({"method": "snapkv", "budget": 128, "window_size": "8"}, r"^compression\[1\]: window_size must be an int"),
+        ({"method": "streamingllm"}, r"^compression\[1\]\.budget: required for method 'streamingllm'"),
+        ({"method": "streamingllm", "budget": 4}, r"^compression\[1\]\.budget: streaming_llm needs a budget above"),
+        ({"method": "streamingllm", "budget": 64, "recent_size": 8}, r"^compression\[1\]\.recent_size: streaming_llm"),
+        ({"method": "none", "budget": 64}, r"^compression\[1\]\.budget: method 'none'"),
+        ({"method": "snapkv", "algorithm": "h2o", "budget": 64}, r"^compression\[1\]\.algorithm: 'h2o' contradicts"),
+        ({"method": "none"}, r"^compression\[1\]: setting name 'full' is used twice"),
+        ({"method": "snapkv", "budget": 64, "name": "a b"}, r"^compression\[1\]\.name: 'a b' is used as a folder"),
+    ],
+)
+def test_compression_errors_name_the_setting(tmp_path, make_config, entry, message):
+    with pytest.raises(ConfigError, match=message):
+        _parse(tmp_path, make_config, compression=["none", entry])
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="the experiment file: must be a mapping"):
+        parse_experiment(["model"], tmp_path)
+
+
+def test_cli_reports_config_errors_without_a_traceback(tmp_path, make_config, capsys):
+    config = make_config(tmp_path, max_lenght=100)
+    assert main(["evaluate", str(config)]) == 2
+    assert "error: max_lenght: unknown key" in capsys.readouterr().err
+
+
+def test_cli_rejects_unknown_settings(tmp_path, make_config, capsys):
+    assert main(["evaluate", str(make_config(tmp_path)), "--settings", "snapkv-64"]) == 2
+    assert "--settings: unknown setting(s) ['snapkv-64']; this experiment has ['full']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda path: path.name)
+def test_shipped_configs_parse(path):
+    experiment = load_experiment(path)
+    assert experiment.settings and experiment.tasks
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert experiment.benchmark.name == raw.get("benchmark", "longbench") == path.parent.name
+    if experiment.benchmark.name == "longbench":
+        assert raw["max_length"] == experiment.options.max_length
