@@ -46,6 +46,7 @@ CHUNK_FACTOR = 1
 MIN_CHUNK_ELEMENTS = 1 << 16
 MAX_CHUNK_ELEMENTS = 1 << 25
 LOG2_E = 1.4426950408889634
+PREFIX_ROWS = 512  # query rows per product in prefix_max_attention (fewer when the prefix is long)
 
 
 def chunk_elements(batch: int, length: int, hidden_size: int) -> int:
@@ -268,3 +269,55 @@ def observation_counts(observed: torch.Tensor, total: int) -> torch.Tensor:
     new = observed.flip(-1).cumsum(-1).flip(-1)
     old = observed.sum(-1, keepdim=True).expand(-1, total - length)
     return torch.cat([old, new], dim=-1)
+
+
+def prefix_max_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output of a multi-token forward whose queries all see the cached prefix and their own tokens
+    causally, and the most softmax weight any query (of any query head of a KV group) gives each prefix slot:
+    KVzip's reconstruction pass, where every slot is live and every query observed. The forward's own slots
+    score 0 (they leave the cache after the pass).
+
+    The work goes to torch's flash attention in the model's own dtype, twice: the queries against the prefix
+    (no mask: every query sees all of it) and against their own tokens (a square causal block), each returning
+    its log-sum-exp, so that the two merge exactly into the output and the row normalisers. A slot's score is
+    then ``exp(max_i (q_i·k·scaling - lse_i))``: the normaliser rides on the queries as one more column, so the
+    scores cost one matrix product and a running maximum, no exponential per weight. In half precision the
+    scores carry the rounding of the model's own dtype (a few per cent of a weight); in float32 they are exact.
+    Shapes as ``observed_attention``: queries (B, H, q, d), keys / values (B, H_kv, T, d); returns the output
+    (B, q, H, d) and the scores (B, H_kv, T) in float32.
+    """
+    batch, heads, length, head_dim = queries.shape
+    total, kv_heads = keys.shape[-2], keys.shape[1]
+    groups, base = heads // kv_heads, total - length
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def per_query_head(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.repeat_interleave(groups, dim=1) if groups > 1 else tensor
+
+    own_output, own_lse = flash(queries, per_query_head(keys[:, :, base:]), per_query_head(values[:, :, base:]),
+                                0.0, True, scale=scaling)
+    scores = torch.zeros(batch, kv_heads, total, device=keys.device)
+    if base == 0:
+        return own_output.transpose(1, 2), scores
+    prefix_output, prefix_lse = flash(queries, per_query_head(keys[:, :, :base]),
+                                      per_query_head(values[:, :, :base]), 0.0, False, scale=scaling)
+    lse = torch.logaddexp(prefix_lse, own_lse)  # (B, H, q) float32
+    output = (prefix_output.float() * (prefix_lse - lse).exp().unsqueeze(-1)
+              + own_output.float() * (own_lse - lse).exp().unsqueeze(-1)).to(queries.dtype)
+    # (B, H_kv, base, d + 1) keys with 1 appended, against (B, H_kv, d + 1, rows) queries with -lse appended;
+    # keys first, so that the maximum runs along contiguous memory (measured: 1.2-1.7 x faster than rows first)
+    rows = torch.cat([(queries * scaling).reshape(batch, kv_heads, groups * length, head_dim),
+                      -lse.reshape(batch, kv_heads, groups * length, 1).to(queries.dtype)], dim=-1
+                     ).transpose(-1, -2).contiguous()
+    columns = torch.cat([keys[:, :, :base], keys.new_ones(batch, kv_heads, base, 1)], dim=-1)
+    best = torch.full((batch, kv_heads, base), float("-inf"), device=keys.device)
+    # products of at most twice the larger of observed_attention's bound and the layer's prefix keys (both
+    # linear in the length), and at most PREFIX_ROWS rows
+    budget = 2 * max(chunk_elements(batch, length, heads * head_dim), batch * kv_heads * base * head_dim)
+    step = min(PREFIX_ROWS, max(16, budget // (batch * kv_heads * base)))
+    for start in range(0, groups * length, step):
+        torch.maximum(best, torch.matmul(columns, rows[..., start:start + step]).amax(-1).float(), out=best)
+    scores[..., :base] = best.exp_()
+    return output.transpose(1, 2), scores

@@ -13,7 +13,9 @@ from after it, as kvpress does: a repetition that begins with template tokens is
 well. The header's slots keep score 0 (kvpress evicts them first); the start area keeps its first tokens.
 
 Scores use the exact softmax of the reconstruction forward over every cached slot (kvpress approximates it over
-4 sinks + the chunk's own slots); the scores lie in [0, 1]. Decoded tokens, and prompt tokens again, are then
+4 sinks + the chunk's own slots); the scores lie in [0, 1]. On CPU a reconstruction pass of a batch without
+padding runs on torch's flash attention in the model's dtype (``prefix_max_attention``: about 2.5 x faster in
+bfloat16 than the float32 chunks of ``observed_attention``, which serve every other case). Decoded tokens, and prompt tokens again, are then
 scored by the same rule as they are queried: each decode step's attention raises a slot's score to the maximum
 it has received (``combine = "max"``), so a decoded token that leaves the recent window competes with the
 prompt on the most attention any later query gave it.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import observed_attention
+from .attention import observed_attention, prefix_max_attention
 from .base import AttentionCall, Scorer
 
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."
@@ -72,6 +74,10 @@ class KVzip(Scorer):
     def attend(self, call: AttentionCall, state) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if call.observed is None:
             return None, None
+        if call.length > 1 and call.all_live and call.may_fuse and not call.softcap and call.keys.device.type == "cpu":
+            # a reconstruction pass on CPU: torch's flash attention, in the model's dtype, does the work
+            output, scores = prefix_max_attention(call.queries, call.keys, call.values, call.scaling)
+            return scores, output
         return observed_attention(
             call.queries, call.keys, call.slot_valid, call.observed, call.scaling, softcap=call.softcap,
             values=call.values if call.may_fuse else None, all_live=call.all_live, reduce="max",
