@@ -652,7 +652,8 @@ def main(argv=None) -> None:
         table = markdown(results)
         out.with_suffix(".md").write_text(table)
         print(table)
-        log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')} in {results['environment']['wall_s']:.0f} s")
+        wall = results["environment"]["wall_s"]
+        log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')} in {wall:.0f} s")
 
 
 if __name__ == "__main__":

@@ -534,7 +534,7 @@ class CompressionSession:
                      combine=self.scorer.combine)
         self.timings["scoring"] += time.perf_counter() - started
         slack = self._eviction_slack(length)
-        if total > float(self._layer_budget(state).min()) + slack:
+        if total > self._smallest_budget(state) + slack:
             scored_later = self.scorer.reconstructs and self.parameters.intermediate_size > 0
             if length == 1:  # a decode step: every due layer is evicted at once when the forward ends
                 self._due.append((module, layer))
@@ -573,6 +573,15 @@ class CompressionSession:
     def _layer_budget(self, state: LayerState) -> torch.Tensor:
         """(B,) slots the layer keeps per sequence."""
         return self._budget(self._scored_units(state))
+
+    def _smallest_budget(self, state: LayerState) -> float:
+        """The fewest slots any sequence of the layer keeps; without a scored area of its own (the common case)
+        the parameters' budget, with no tensor work: this runs in every layer of every decode step."""
+        if state.scored_units is None:
+            params = self.parameters
+            scored = params.intermediate_size // params.unit_size * params.unit_size
+            return params.start_size + params.recent_size + scored
+        return float(self._layer_budget(state).min())
 
     def _evict(self, layers: list[tuple[nn.Module, CompressedLayer]], slack: float, allocate: bool = False) -> None:
         """Compact ``layers`` (module, cache layer) with one selection for all of them.

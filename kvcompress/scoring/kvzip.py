@@ -15,10 +15,11 @@ well. The header's slots keep score 0 (kvpress evicts them first); the start are
 Scores use the exact softmax of the reconstruction forward over every cached slot (kvpress approximates it over
 4 sinks + the chunk's own slots); the scores lie in [0, 1]. On CPU a reconstruction pass of a batch without
 padding runs on torch's flash attention in the model's dtype (``prefix_max_attention``: about 2.5 x faster in
-bfloat16 than the float32 chunks of ``observed_attention``, which serve every other case). Decoded tokens, and prompt tokens again, are then
-scored by the same rule as they are queried: each decode step's attention raises a slot's score to the maximum
-it has received (``combine = "max"``), so a decoded token that leaves the recent window competes with the
-prompt on the most attention any later query gave it.
+bfloat16 than the float32 chunks of ``observed_attention``, which serve every other case).
+
+Decoded tokens, and prompt tokens again, are then scored by the same rule as they are queried: each decode
+step's attention raises a slot's score to the maximum it has received (``combine = "max"``), so a decoded token
+that leaves the recent window competes with the prompt on the most attention any later query gave it.
 """
 
 from __future__ import annotations
