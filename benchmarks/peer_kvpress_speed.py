@@ -11,7 +11,8 @@ For each thread count and each number of busy processes beside (a Python loop ea
 the uncompressed sdpa prefill and each press alternate (order reversed on every other repeat) and the median
 prefill times give the ratios; 20 % of the 4,096 tokens are kept (``compression_ratio=0.8``). ObservedAttentionPress
 needs the attention weights, so it runs on an eager-attention copy of the same weights, as kvpress requires; the
-ratio is against the sdpa prefill, as ``speed_memory.py`` reports ours. Timings are medians on whatever machine
+ratio is against the sdpa prefill, as ``speed_memory.py`` reports ours (and, in its own column, against the
+eager uncompressed prefill, which is how kvpress's H2O compares with kvpress without a press). Timings are medians on whatever machine
 runs this; nothing here asserts on them.
 """
 
@@ -73,7 +74,8 @@ def measure(threads: int, busy: int, length: int, repeats: int) -> dict[str, flo
     torch.set_num_threads(threads)
     sdpa, eager = build_models()
     ids = torch.randint(3, 1024, (1, length), generator=torch.Generator().manual_seed(0))
-    runs = {"none": (sdpa, None), "h2o (eager)": (eager, ObservedAttentionPress(compression_ratio=0.8)),
+    runs = {"none": (sdpa, None), "none (eager)": (eager, None),
+            "h2o (eager)": (eager, ObservedAttentionPress(compression_ratio=0.8)),
             "snapkv": (sdpa, SnapKVPress(compression_ratio=0.8))}
     for model, press in runs.values():  # warm-up
         prefill_seconds(model, ids[:, :256], press)
@@ -85,7 +87,8 @@ def measure(threads: int, busy: int, length: int, repeats: int) -> dict[str, flo
                 model, press = runs[name]
                 times[name].append(prefill_seconds(model, ids, press))
     medians = {name: statistics.median(values) for name, values in times.items()}
-    return {name: medians[name] / medians["none"] for name in runs if name != "none"} | {"none_s": medians["none"]}
+    ratios = {name: medians[name] / medians["none"] for name in runs if name != "none"}
+    return ratios | {"none_s": medians["none"], "h2o_vs_eager": medians["h2o (eager)"] / medians["none (eager)"]}
 
 
 def main(argv=None) -> None:
@@ -106,14 +109,15 @@ def main(argv=None) -> None:
         f"{transformers.__version__}, torch {torch.__version__}, {platform.machine()}, {time.strftime('%Y-%m-%d')}; "
         f"{args.length} tokens, 20 % kept, median of {args.repeats} alternating repeats; ratio = prefill time / "
         "kvpress's uncompressed sdpa prefill in the same process.", "",
-        "| threads | busy processes | uncompressed s | H2O (ObservedAttentionPress, eager) × | SnapKV × |",
-        "|---|---|---|---|---|",
+        "| threads | busy processes | uncompressed sdpa s | uncompressed eager × | H2O (ObservedAttentionPress, "
+        "eager) × | H2O × its eager uncompressed | SnapKV × |",
+        "|---|---|---|---|---|---|---|",
     ]
     for threads in args.threads:
         for busy in args.busy:
             ratios = measure(threads, busy, args.length, args.repeats)
-            lines.append(f"| {threads} | {busy} | {ratios['none_s']:.2f} | {ratios['h2o (eager)']:.2f} | "
-                         f"{ratios['snapkv']:.2f} |")
+            lines.append(f"| {threads} | {busy} | {ratios['none_s']:.2f} | {ratios['none (eager)']:.2f} | "
+                         f"{ratios['h2o (eager)']:.2f} | {ratios['h2o_vs_eager']:.2f} | {ratios['snapkv']:.2f} |")
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:

@@ -109,3 +109,39 @@ def test_fused_output_in_bfloat16_is_close_to_float64():
     real = observed[:, :, None, None].expand_as(output)
     torch.testing.assert_close(output[real].double(), expected_output[real], rtol=0.05, atol=0.05)
     torch.testing.assert_close(scores.double(), expected_scores, rtol=0.05, atol=0.05)
+
+
+def _reference_prefix_max(queries, keys, values, scaling):
+    """KVzip's reconstruction pass by definition: causal softmax of every query over the prefix and its own
+    tokens, weights @ values, and per KV head the most weight any of its query heads' queries gives each slot."""
+    q, k, v = queries.double(), keys.double(), values.double()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    length, total = q.shape[2], k.shape[2]
+    causal = torch.arange(total)[None, :] <= (total - length + torch.arange(length))[:, None]
+    weights = (q @ k.transpose(-1, -2) * scaling).masked_fill(~causal, float("-inf")).softmax(-1)
+    batch, kv_heads = keys.shape[:2]
+    scores = weights.view(batch, kv_heads, groups * length, total).amax(2)
+    scores[..., total - length:] = 0  # the pass's own slots leave the cache: not scored
+    return scores, (weights @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype, tolerance, score_tolerance", [(torch.float32, 1e-5, 1e-5),
+                                                              (torch.bfloat16, 0.03, 1e-4)])
+@pytest.mark.parametrize("cached", [CACHED, 0], ids=["after a prefix", "no prefix"])
+def test_reconstruction_pass_matches_its_definition(monkeypatch, dtype, tolerance, score_tolerance, cached):
+    """prefix_max_attention (KVzip on CPU): flash attention on the prefix and on the pass's own block, merged by
+    their log-sum-exps, and the scores from one product with -lse appended; row products forced small so that
+    the running maximum spans several of them. Scores are float32 products in every dtype, so they stay within
+    1e-4 of the definition even for bfloat16 inputs (flash's bfloat16 log-sum-exp adds ~2e-5); the output is
+    rounded to bfloat16."""
+    monkeypatch.setattr(attention, "PREFIX_ROWS", 16)
+    generator = torch.Generator().manual_seed(1)
+    queries = torch.randn(2, HEADS, NEW, DIM, generator=generator).to(dtype)
+    keys = torch.randn(2, KV_HEADS, cached + NEW, DIM, generator=generator).to(dtype)
+    values = torch.randn(2, KV_HEADS, cached + NEW, DIM, generator=generator).to(dtype)
+    output, scores = attention.prefix_max_attention(queries, keys, values, 0.25)
+    expected_scores, expected_output = _reference_prefix_max(queries, keys, values, 0.25)
+    assert output.dtype == dtype and scores.dtype == torch.float32 and output.shape == (2, NEW, HEADS, DIM)
+    torch.testing.assert_close(scores.double(), expected_scores, rtol=score_tolerance, atol=1e-7)
+    torch.testing.assert_close(output.double(), expected_output, rtol=tolerance, atol=tolerance)

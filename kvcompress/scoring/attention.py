@@ -283,8 +283,9 @@ def prefix_max_attention(
     (no mask: every query sees all of it) and against their own tokens (a square causal block), each returning
     its log-sum-exp, so that the two merge exactly into the output and the row normalisers. A slot's score is
     then ``exp(max_i (q_i·k·scaling - lse_i))``: the normaliser rides on the queries as one more column, so the
-    scores cost one matrix product and a running maximum, no exponential per weight. In half precision the
-    scores carry the rounding of the model's own dtype (a few per cent of a weight); in float32 they are exact.
+    scores cost one float32 matrix product and a running maximum, no exponential per weight. The scores are the
+    exact softmax weights of the given queries and keys (float32 products: computed in bfloat16 they moved a
+    RULER answer); the output is rounded to the model's dtype once, as its own sdpa call would round it.
     Shapes as ``observed_attention``: queries (B, H, q, d), keys / values (B, H_kv, T, d); returns the output
     (B, q, H, d) and the scores (B, H_kv, T) in float32.
     """
@@ -308,16 +309,16 @@ def prefix_max_attention(
               + own_output.float() * (own_lse - lse).exp().unsqueeze(-1)).to(queries.dtype)
     # (B, H_kv, base, d + 1) keys with 1 appended, against (B, H_kv, d + 1, rows) queries with -lse appended;
     # keys first, so that the maximum runs along contiguous memory (measured: 1.2-1.7 x faster than rows first)
-    rows = torch.cat([(queries * scaling).reshape(batch, kv_heads, groups * length, head_dim),
-                      -lse.reshape(batch, kv_heads, groups * length, 1).to(queries.dtype)], dim=-1
-                     ).transpose(-1, -2).contiguous()
-    columns = torch.cat([keys[:, :, :base], keys.new_ones(batch, kv_heads, base, 1)], dim=-1)
+    rows = torch.cat([(queries.float() * scaling).reshape(batch, kv_heads, groups * length, head_dim),
+                      -lse.reshape(batch, kv_heads, groups * length, 1)], dim=-1).transpose(-1, -2).contiguous()
+    columns = torch.cat([keys[:, :, :base].float(), keys.new_ones(batch, kv_heads, base, 1, dtype=torch.float32)],
+                        dim=-1)
     best = torch.full((batch, kv_heads, base), float("-inf"), device=keys.device)
     # products of at most twice the larger of observed_attention's bound and the layer's prefix keys (both
     # linear in the length), and at most PREFIX_ROWS rows
     budget = 2 * max(chunk_elements(batch, length, heads * head_dim), batch * kv_heads * base * head_dim)
     step = min(PREFIX_ROWS, max(16, budget // (batch * kv_heads * base)))
     for start in range(0, groups * length, step):
-        torch.maximum(best, torch.matmul(columns, rows[..., start:start + step]).amax(-1).float(), out=best)
+        torch.maximum(best, torch.matmul(columns, rows[..., start:start + step]).amax(-1), out=best)
     scores[..., :base] = best.exp_()
     return output.transpose(1, 2), scores
