@@ -190,8 +190,8 @@ def run_generation(model, tokenizer, input_ids: torch.Tensor, params: KVCacheCom
         new_tokens=len(new),
         prefill_seconds=first_token - start,
         decode_seconds=clock.stamps[-1] - first_token,
-        cache_slots=kv_cache_length(out.past_key_values),
-        cache_bytes=kv_cache_bytes(out.past_key_values),
+        cache_slots=kv_cache_length(out.cache),
+        cache_bytes=kv_cache_bytes(out.cache),
         compression_seconds=sum(session.timings.values()) if params else 0.0,
     )
 
