@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -131,3 +135,29 @@ def runner_env() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)})
     return env
+
+
+def predicted_lines(out: Path) -> int:
+    """Prediction lines on disk under an output folder: every setting's ``pred*/`` files, every task."""
+    return sum(len(path.read_bytes().splitlines()) for path in out.glob("*/pred*/*.jsonl"))
+
+
+@pytest.fixture
+def kill_9_after(runner_env) -> Callable[..., int]:
+    """``kill_9_after(module, config, out, lines=3)``: runs ``python -m <module> predict <config>``, kills it with
+    SIGKILL once ``lines`` prediction lines are under ``out``, and returns how many lines were there."""
+
+    def run(module: str, config: Path, out: Path, lines: int = 3) -> int:
+        log_path = config.parent / "log.txt"
+        with log_path.open("w") as log:
+            process = subprocess.Popen([sys.executable, "-m", module, "predict", str(config)], env=runner_env,
+                                       stdout=log, stderr=log)
+            deadline = time.monotonic() + 120
+            while predicted_lines(out) < lines and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert process.poll() is None, log_path.read_text()[-2000:]
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+        return predicted_lines(out)
+
+    return run

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -111,24 +109,10 @@ def test_crash_mid_run_then_resume_gives_identical_files(reference, tmp_path, ma
     assert _outputs(out) == _outputs(reference)
 
 
-def _lines_written(root: Path) -> int:
-    return sum(len(path.read_bytes().splitlines()) for path in root.rglob("*.jsonl")) if root.exists() else 0
-
-
-def test_kill_9_then_resume_gives_identical_files(reference, tmp_path, make_config, runner_env):
+def test_kill_9_then_resume_gives_identical_files(reference, tmp_path, make_config, kill_9_after):
     config = make_config(tmp_path, tasks="english16", compression=SETTINGS)
     out = tmp_path / "out"
-    with (tmp_path / "log.txt").open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "longbench.cli", "predict", str(config)], env=runner_env, stdout=log, stderr=log
-        )
-        deadline = time.monotonic() + 120
-        while _lines_written(out) < 3 and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert process.poll() is None, (tmp_path / "log.txt").read_text()[-2000:]
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    written = _lines_written(out)
+    written = kill_9_after("longbench.cli", config, out)
     assert 3 <= written < 2 * 2 * 16
 
     assert main(["predict", str(config)]) == 0

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -165,24 +161,11 @@ def test_config_errors_name_the_key(tmp_path, make_ruler_config, capsys):
         load_experiment(make_ruler_config(tmp_path, compression=[{"method": "snapkv", "budget": 1.5}]))
 
 
-def _lines_written(root: Path) -> int:
-    return sum(len(path.read_bytes().splitlines()) for path in root.rglob("pred/*.jsonl")) if root.exists() else 0
-
-
-def test_kill_9_then_resume_gives_identical_files(reference, tmp_path, make_ruler_config, runner_env):
+def test_kill_9_then_resume_gives_identical_files(reference, tmp_path, make_ruler_config, kill_9_after):
     """The reference's settings, killed after three lines; the rerun loses nothing and doubles nothing."""
     settings = ["none", {"method": "snapkv", "budget": 0.5, "window_size": 4}, {"method": "snapkv", "budget": 4096}]
     config = make_ruler_config(tmp_path, compression=settings)
     out = tmp_path / "out"
-    with (tmp_path / "log.txt").open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "ruler.cli", "predict", str(config)], env=runner_env,
-                                   stdout=log, stderr=log)
-        deadline = time.monotonic() + 120
-        while _lines_written(out) < 3 and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert process.poll() is None, (tmp_path / "log.txt").read_text()[-2000:]
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    assert 3 <= _lines_written(out) < 3 * len(TASKS) * SAMPLES
+    assert 3 <= kill_9_after("ruler.cli", config, out) < 3 * len(TASKS) * SAMPLES
     assert main(["run", str(config)]) == 0
     assert _files(out) == _files(reference)
