@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "ConfigError", "check_boolean", "check_integer", "check_mapping", "check_name", "check_string",
-    "check_string_list", "no_unknown_keys", "type_name",
+    "ConfigError", "check_boolean", "check_folder", "check_integer", "check_mapping", "check_name", "check_one_of",
+    "check_string", "check_string_list", "no_unknown_keys", "type_name",
 ]
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -71,3 +72,21 @@ def check_name(value: Any, key: str) -> str:
     if not _NAME_PATTERN.match(name):
         raise ConfigError(f"{key}: {name!r} is used as a folder name: letters, digits, '.', '_' and '-' only")
     return name
+
+
+def check_one_of(value: Any, key: str, kinds: tuple[str, ...]) -> tuple[str, Any]:
+    """A mapping with exactly one of ``kinds`` as its key (``data: {folder: ...}``): that key and its value."""
+    section = check_mapping(value, key)
+    no_unknown_keys(section, set(kinds), key)
+    if len(section) != 1:
+        raise ConfigError(f"{key}: give exactly one of {list(kinds)}, got {sorted(section)}")
+    (kind, given), = section.items()
+    return kind, given
+
+
+def check_folder(value: Any, key: str, base_dir: Path) -> Path:
+    """An existing folder, relative paths taken from ``base_dir`` (the config file's folder)."""
+    path = (base_dir / check_string(value, key)).resolve()
+    if not path.is_dir():
+        raise ConfigError(f"{key}: {path} is not a folder")
+    return path

@@ -15,6 +15,7 @@ times the tokens it has seen; layers kvcompress does not compress, such as slidi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -59,13 +60,9 @@ def generate(model: Any, tokenizer: Any, setting: CompressionSetting, prompt: Pr
     ids = torch.tensor([prompt.input_ids], device=input_device(model))
     options = {**GREEDY, **prompt.generation}
     if setting.is_full_cache or not prompt.context_first:
-        if setting.is_full_cache:
+        compression = contextlib.nullcontext() if setting.is_full_cache else setting.compression(model, tokenizer)
+        with compression:
             output = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **options)
-        else:
-            with setting.compression(model, tokenizer):
-                output = model.generate(
-                    ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **options
-                )
         new_ids = output.sequences[0, ids.shape[1]:].tolist()
         # the last token is returned, never fed: the cache holds the prompt and all new tokens but one
         kv_bytes, full_kv_bytes = cache_bytes(output.cache, ids.shape[1] + len(new_ids) - 1)

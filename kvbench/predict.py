@@ -7,6 +7,7 @@ byte-identical files to an uninterrupted single-process one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -49,8 +50,8 @@ def generate_prediction(
     benchmark = experiment.benchmark
     prompt = benchmark.prompt(experiment.options, task, record, tokenizer, experiment.model.chat_template)
     if experiment.max_new_tokens is not None:
-        prompt = type(prompt)(prompt.input_ids, prompt.prefill_length,
-                              {**prompt.generation, "max_new_tokens": experiment.max_new_tokens})
+        generation = {**prompt.generation, "max_new_tokens": experiment.max_new_tokens}
+        prompt = dataclasses.replace(prompt, generation=generation)
     generated = generate(model, tokenizer, setting, prompt)
     line = benchmark.prediction_line(record, tokenizer.decode(generated.new_ids, skip_special_tokens=True))
     line.update(_id=record["_id"], kv_bytes=generated.kv_bytes, full_kv_bytes=generated.full_kv_bytes)

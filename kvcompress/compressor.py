@@ -420,7 +420,7 @@ class CompressionSession:
         if params.budget_allocation != "pyramid":
             return {} if base is None else dict.fromkeys(layers, base)
         if base is None:
-            base = torch.full((batch,), params.intermediate_size // params.unit_size, dtype=torch.long, device=device)
+            base = torch.full((batch,), self._uniform_units(), dtype=torch.long, device=device)
         shares = pyramid_scored_units(base, len(layers), params.pyramid_beta)
         return {index: shares[number] for number, index in enumerate(layers)}
 
@@ -562,8 +562,12 @@ class CompressionSession:
         a global budget, its step of the pyramid)."""
         if state.scored_units is not None:
             return state.scored_units
-        units = self.parameters.intermediate_size // self.parameters.unit_size
-        return torch.full(state.slot_valid.shape[:1], units, dtype=torch.long, device=state.slot_valid.device)
+        return torch.full(state.slot_valid.shape[:1], self._uniform_units(), dtype=torch.long,
+                          device=state.slot_valid.device)
+
+    def _uniform_units(self) -> int:
+        """Units of the parameters' own scored area (every layer and sequence without an area of its own)."""
+        return self.parameters.intermediate_size // self.parameters.unit_size
 
     def _budget(self, scored_units: torch.Tensor) -> torch.Tensor:
         """Slots kept for a scored area of ``scored_units`` units: the windows plus the scored slots."""
@@ -578,9 +582,7 @@ class CompressionSession:
         """The fewest slots any sequence of the layer keeps; without a scored area of its own (the common case)
         the parameters' budget, with no tensor work: this runs in every layer of every decode step."""
         if state.scored_units is None:
-            params = self.parameters
-            scored = params.intermediate_size // params.unit_size * params.unit_size
-            return params.start_size + params.recent_size + scored
+            return self._budget(self._uniform_units())
         return float(self._layer_budget(state).min())
 
     def _evict(self, layers: list[tuple[nn.Module, CompressedLayer]], slack: float, allocate: bool = False) -> None:

@@ -10,17 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.benchmark import Benchmark, Prompt, TableRow
-from kvbench.config import ConfigError, check_boolean, check_integer, check_mapping, check_string, no_unknown_keys
+from kvbench.config import ConfigError, check_boolean, check_folder, check_integer, check_one_of, check_string
 
 from .data import DataError, DataSource, load_task
-from .evaluate import scorer, scorer_e
+from .evaluate import BUCKETS, scorer, scorer_e
 from .metrics import METRIC_FIXES
 from .prompt import encode_prompt
 from .tasks import ENGLISH16, TASK_GROUPS, TASKS, resolve_tasks
 
 __all__ = ["LongBench", "LongBenchOptions"]
-
-BUCKETS = ("0-4k", "4-8k", "8k+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,21 +46,16 @@ def _parse_tasks(value: Any) -> tuple[str, ...]:
 
 
 def _parse_data(value: Any, base_dir: Path) -> DataSource:
-    section = check_mapping(value, "data")
-    kinds = ("folder", "zip", "hub")
-    no_unknown_keys(section, set(kinds), "data")
-    if len(section) != 1:
-        raise ConfigError(f"data: give exactly one of {list(kinds)}, got {sorted(section)}")
-    (kind, location), = section.items()
+    kind, location = check_one_of(value, "data", ("folder", "zip", "hub"))
+    if kind == "folder":
+        return DataSource("folder", str(check_folder(location, "data.folder", base_dir)))
     location = check_string(location, f"data.{kind}")
     if kind == "hub":
         return DataSource("hub", location)
     path = (base_dir / location).resolve()
-    if kind == "folder" and not path.is_dir():
-        raise ConfigError(f"data.folder: {path} is not a folder")
-    if kind == "zip" and not path.is_file():
+    if not path.is_file():
         raise ConfigError(f"data.zip: {path} is not a file")
-    return DataSource(kind, str(path))
+    return DataSource("zip", str(path))
 
 
 class LongBench(Benchmark):
@@ -132,13 +125,12 @@ class LongBench(Benchmark):
 
     def write_official_results(self, setting_dir: Path, scores: Mapping[str, Any]) -> None:
         """eval.py's ``result.json`` in ``pred/`` and ``pred_e/``: base task name -> score (or buckets)."""
-        for longbench_e in (False, True):
-            official = {
-                TASKS[task].base: score for task, score in scores.items() if TASKS[task].is_longbench_e == longbench_e
-            }
-            if official:
-                path = setting_dir / ("pred_e" if longbench_e else "pred") / "result.json"
-                path.write_text(json.dumps(official, ensure_ascii=False, indent=4), encoding="utf-8")
+        by_folder: dict[Path, dict[str, Any]] = {}
+        for task, score in scores.items():
+            by_folder.setdefault(self.prediction_path(task).parent, {})[TASKS[task].base] = score
+        for folder, official in by_folder.items():
+            path = setting_dir / folder / "result.json"
+            path.write_text(json.dumps(official, ensure_ascii=False, indent=4), encoding="utf-8")
 
     def averages(self, options: LongBenchOptions, scores: Mapping[str, Any]) -> dict[str, float | None]:
         """The English-16 mean papers print (only when all 16 were evaluated, so a partial run is never mistaken

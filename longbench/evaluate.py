@@ -16,7 +16,9 @@ import numpy as np
 from .metrics import METRICS, check_fixes
 from .tasks import TASKS, V1_TASKS
 
-__all__ = ["dataset2metric", "scorer", "scorer_e", "sample_score"]
+__all__ = ["BUCKETS", "dataset2metric", "scorer", "scorer_e", "sample_score"]
+
+BUCKETS = ("0-4k", "4-8k", "8k+")  # LongBench-E's length buckets, in eval.py's order
 
 dataset2metric = {name: METRICS[TASKS[name].metric] for name in V1_TASKS}
 
@@ -78,7 +80,7 @@ def scorer_e(
 
     An empty bucket is NaN (numpy's mean of nothing), which ``json.dump`` writes as ``NaN`` like upstream.
     """
-    buckets: dict[str, list[float]] = {"0-4k": [], "4-8k": [], "8k+": []}
+    buckets: dict[str, list[float]] = {bucket: [] for bucket in BUCKETS}
     for prediction, ground_truths, length in zip(predictions, answers, lengths):
         score = sample_score(dataset, prediction, ground_truths, all_classes, fixes)
         buckets["0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"].append(score)

@@ -26,7 +26,8 @@ from typing import Any
 
 from kvbench.benchmark import Benchmark, Prompt
 from kvbench.config import (
-    ConfigError, check_integer, check_mapping, check_string, check_string_list, no_unknown_keys,
+    ConfigError, check_folder, check_integer, check_mapping, check_one_of, check_string, check_string_list,
+    no_unknown_keys,
 )
 
 from .chat import PROTOCOLS, encode_prompt
@@ -95,17 +96,10 @@ def _parse_lengths(value: Any) -> list[int]:
 
 
 def _parse_data(value: Any, base_dir: Path, model_path: str) -> DataGeneration | Path:
-    section = check_mapping(value, "data")
-    kinds = ("generate", "folder")
-    no_unknown_keys(section, set(kinds), "data")
-    if len(section) != 1:
-        raise ConfigError(f"data: give exactly one of {list(kinds)}, got {sorted(section)}")
-    if "folder" in section:
-        path = (base_dir / check_string(section["folder"], "data.folder")).resolve()
-        if not path.is_dir():
-            raise ConfigError(f"data.folder: {path} is not a folder")
-        return path
-    options = check_mapping(section["generate"] or {}, "data.generate")
+    kind, given = check_one_of(value, "data", ("generate", "folder"))
+    if kind == "folder":
+        return check_folder(given, "data.folder", base_dir)
+    options = check_mapping(given or {}, "data.generate")
     no_unknown_keys(options, {field.name for field in dataclasses.fields(DataGeneration)}, "data.generate")
     tokenizer = check_string(options.get("tokenizer", model_path), "data.generate.tokenizer")
     if (base_dir / tokenizer).is_dir():
