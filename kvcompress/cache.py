@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from .ragged import fold_kept, fold_new_tokens
+from .selection.windows import left_aligned_indices
 from .state import LayerState, gather_slots
 
 
@@ -36,9 +38,17 @@ class CompressedLayer(DynamicLayer):
     def physical_length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
 
+    @property
+    def folded_heads(self) -> int | None:
+        """The KV heads folded into one row after an adaptive selection (``ragged.py``), else None."""
+        return None if self.state is None else self.state.folded_heads
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        tokens = key_states.shape[-2]
+        if self.folded_heads is not None:
+            key_states, value_states = fold_new_tokens(key_states), fold_new_tokens(value_states)
         keys, values = super().update(key_states, value_states, *args, **kwargs)
-        self.cumulative_length += key_states.shape[-2]
+        self.cumulative_length += tokens
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -47,6 +57,8 @@ class CompressedLayer(DynamicLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset): the physical slots plus the new tokens, mapped onto the sequence's end."""
         physical = self.physical_length
+        if self.folded_heads is not None:  # the session attends itself and ignores this mask (ragged.py)
+            return physical + query_length, 0
         return physical + query_length, self.cumulative_length - physical
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -61,6 +73,14 @@ class CompressedLayer(DynamicLayer):
         self.values = gather_slots(self.values, index)
         self.state.gather(index)
         self.state.slot_valid = valid
+
+    def keep_per_head(self, keep: torch.Tensor) -> None:
+        """Keep each KV head's own slots ``keep`` (B, H_kv, T) bool, whatever their count per head: the layer folds
+        its heads into one row that holds exactly the kept (head, token) slots (``ragged.py``)."""
+        source, valid = left_aligned_indices(keep.flatten(1))
+        self.keys = fold_kept(self.keys, source)
+        self.values = fold_kept(self.values, source)
+        self.state.fold_heads(source, valid)
 
     def drop_newest(self, count: int) -> None:
         """Forget the last ``count`` slots, as if never seen (a context-reconstruction pass's own tokens)."""
@@ -138,6 +158,8 @@ def kv_cache_bytes(cache: Cache) -> int:
 
 def kv_cache_length(cache: Cache) -> int:
     """Physical slots per full-attention layer (what compression bounds), averaged over those layers and rounded:
-    their common length, unless the layers have budgets of their own (``budget_allocation="global"``)."""
-    lengths = [layer.keys.shape[-2] for layer in _filled_layers(cache) if not getattr(layer, "is_sliding", False)]
+    their common length, unless the layers have budgets of their own (``budget_allocation="global"``); a folded
+    layer (``budget_allocation="adaptive"``) counts its slots per head."""
+    lengths = [layer.keys.shape[-2] / (getattr(layer, "folded_heads", None) or 1)
+               for layer in _filled_layers(cache) if not getattr(layer, "is_sliding", False)]
     return round(sum(lengths) / len(lengths)) if lengths else 0

@@ -36,7 +36,8 @@ from .scoring.attention import observation_counts
 from .scoring.base import AttentionCall
 from .scoring.value_norm import projected_value_l1
 from .selection.allocation import pyramid_scored_units
-from .selection.windows import global_scored_units, left_aligned_indices, select_keep_mask
+from .ragged import folded_attention, folded_head_of_new
+from .selection.windows import adaptive_scored_units, global_scored_units, left_aligned_indices, select_keep_mask
 from .state import ForwardState, LayerState
 
 _ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -295,6 +296,12 @@ class CompressionSession:
                 f"kvcompress: the cache holds {states[0].slot_valid.shape[0]} sequences, the input {batch}; continue "
                 "a compressed cache with the same batch"
             )
+        if length > 1 and self._evicting and not replay and any(s is not None and s.folded_heads for s in states):
+            raise ValueError(
+                "kvcompress: budget_allocation='adaptive' compresses one prompt; this cache already holds its "
+                "per-head selection and is not compressed again. Ask each question on the compressed context with "
+                "session.prefill(context) then session.generate(question), or start a new cache"
+            )
         device = tokens.device
         mask = kwargs.get("attention_mask")
         new_valid = self._new_token_validity(mask, batch, length, seen, device)
@@ -456,15 +463,22 @@ class CompressionSession:
         started = time.perf_counter()
         layer = self.cache.layers[module.layer_idx]
         state = self._layer_state(layer, module.layer_idx, key)
-        if state.length != key.shape[-2] - query.shape[2]:
+        folds = state.folded_heads
+        cached = key.shape[-2] - query.shape[2] * (folds or 1)
+        if state.length != cached:
             raise RuntimeError(
-                f"kvcompress: layer {module.layer_idx} holds {key.shape[-2] - query.shape[2]} cached slots but its "
-                f"scores cover {state.length}; the cache was modified outside the compressor"
+                f"kvcompress: layer {module.layer_idx} holds {cached} cached slots but its scores cover "
+                f"{state.length}; the cache was modified outside the compressor"
             )
         self._attended += 1
         output = head_scores = None
         layout, all_live = self._layer_layout(state)
-        if self.parameters.intermediate_size > 0:  # else only fixed windows survive: scores are never read
+        if folds:  # heads of their own lengths (ragged.py): selected once, never scored again
+            heads = torch.cat([state.slot_head, folded_head_of_new(folds, query.shape[2], query.shape[0],
+                                                                   query.device)], dim=-1)
+            output = folded_attention(query, key, value, layout, heads, folds,
+                                      kwargs.get("scaling") or module.scaling, kwargs.get("softcap"))
+        elif self.parameters.intermediate_size > 0:  # else only fixed windows survive: scores are never read
             call = AttentionCall(
                 module=module, queries=query, keys=key, values=value, slot_valid=layout,
                 observed=self._observe(key.shape[-2])[0], scaling=kwargs.get("scaling") or module.scaling,
@@ -490,7 +504,10 @@ class CompressionSession:
         live: the shared one when every layer has the same, else the layer's own."""
         if self._forward_layout is not None:
             return self._forward_layout
-        layout = torch.cat([state.slot_valid, self._forward.valid], dim=-1)
+        new_valid = self._forward.valid
+        if state.folded_heads:  # one slot per head and token (ragged.fold_new_tokens)
+            new_valid = new_valid.repeat_interleave(state.folded_heads, -1)
+        layout = torch.cat([state.slot_valid, new_valid], dim=-1)
         return layout, bool(layout.all())
 
     def _observe(self, total: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -614,10 +631,14 @@ class CompressionSession:
             for number, state in enumerate(states):
                 state.scored_units = units[number * batch : (number + 1) * batch]
         over = live > self._budget(units) + slack
+        adaptive = self.parameters.budget_allocation == "adaptive"
         if self.parameters.head_selection == "per_head":  # every (layer, sequence, head) row selects alone
             heads = scores.shape[1]
+            head_units = units.repeat_interleave(heads)
+            if adaptive:  # the heads of a (layer, sequence) share its scored area by score
+                head_units = adaptive_scored_units(scores, slot_rows, self.parameters, units).reshape(-1)
             keep = select_keep_mask(scores.reshape(-1, 1, width), slot_rows.repeat_interleave(heads, 0),
-                                    self.parameters, None, units.repeat_interleave(heads))
+                                    self.parameters, None, head_units)
             keep = keep.view(-1, heads, width)
             slot_rows, over = slot_rows[:, None], over[:, None]
         else:
@@ -629,6 +650,9 @@ class CompressionSession:
         for number, (module, layer) in enumerate(layers):
             state = layer.state
             layer_keep = keep[number * batch : (number + 1) * batch, ..., width - state.length :]
+            if adaptive:  # heads of different lengths: the layer folds them into one row
+                layer.keep_per_head(layer_keep)
+                continue
             index, valid = left_aligned_indices(layer_keep)
             if index.dim() == 3:  # per head: the same count per head, so one layout for all of them
                 valid = valid[:, 0]
@@ -647,7 +671,7 @@ def _shared_layout(states: list[LayerState | None], batch: int, device: torch.de
     """(B, T) the slot layout every compressed layer holds, or None when their layouts differ."""
     if all(state is None for state in states):
         return torch.zeros(batch, 0, dtype=torch.bool, device=device)
-    if any(state is None for state in states):
+    if any(state is None or state.folded_heads for state in states):
         return None
     first = states[0].slot_valid
     if all(state.length == first.shape[-1] and torch.equal(state.slot_valid, first) for state in states[1:]):

@@ -29,7 +29,8 @@ STRATEGIES = ("per_token", "per_group")
 AGGREGATIONS = ("sum", "norm_sum")
 REFINED_ALGORITHMS = ("kvcrush", "criticalkv")
 KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternate")
-BUDGET_ALLOCATIONS = ("uniform", "global", "pyramid")
+BUDGET_ALLOCATIONS = ("uniform", "global", "pyramid", "adaptive")
+DEFAULT_ADAPTIVE_FLOOR = 0.2  # AdaKV's LongBench runs and kvpress's AdaKVPress (alpha_safeguard)
 HEAD_SELECTIONS = ("shared", "per_head")
 DEFAULT_SNAPKV_WINDOW = 8
 
@@ -67,6 +68,7 @@ class KVCacheCompressionParameters:
     rerotate_keys: bool = False
     budget_allocation: str = "uniform"
     pyramid_beta: float = 20.0
+    adaptive_floor: float = DEFAULT_ADAPTIVE_FLOOR
     head_selection: str = "shared"
     scorer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
@@ -173,6 +175,22 @@ class KVCacheCompressionParameters:
                     f"budget_allocation={self.budget_allocation!r} is not combined with a refined_algorithm (KVCrush "
                     "and CriticalKV refine one layer's uniform budget); use budget_allocation='uniform'"
                 )
+        if not 0.0 <= self.adaptive_floor <= 1.0:
+            raise ValueError(
+                f"adaptive_floor must be in [0, 1] (the share of each head's scored area it keeps whatever the other "
+                f"heads score; 1 is uniform per head), got {self.adaptive_floor}"
+            )
+        if self.budget_allocation == "adaptive":
+            if self.head_selection != "per_head":
+                raise ValueError(
+                    "budget_allocation='adaptive' spreads a layer's budget over its KV heads, which needs "
+                    f"head_selection='per_head', got head_selection={self.head_selection!r}"
+                )
+            if self.compress_during_decoding:
+                raise ValueError(
+                    "budget_allocation='adaptive' compresses prompts only (as AdaKV and kvpress do: the head-wise "
+                    "layout is built once, decode tokens are appended); set compress_during_decoding=False"
+                )
         if self.pyramid_beta < 1:
             raise ValueError(
                 f"pyramid_beta must be >= 1 (the top layer keeps 1/beta of the mean), got {self.pyramid_beta}"
@@ -269,7 +287,7 @@ _INT_FIELDS = {
     "decode_slack", "refined_size", "kvcrush_seed",
 }
 _BOOL_FIELDS = {"compress_during_decoding", "rerotate_keys"}
-_FLOAT_FIELDS = {"criticalkv_first_stage_ratio", "criticalkv_epsilon", "pyramid_beta"}
+_FLOAT_FIELDS = {"criticalkv_first_stage_ratio", "criticalkv_epsilon", "pyramid_beta", "adaptive_floor"}
 _STR_FIELDS = {
     "budget_allocation", "head_selection", "strategy", "score_aggregation", "refined_algorithm", "kvcrush_anchor",
 }

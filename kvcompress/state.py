@@ -68,11 +68,17 @@ class LayerState:
     * ``rope_positions`` (B, T) int64: the position the cached key is currently rotated to;
     * ``true_positions`` (B, T) int64: the slot's position in the full sequence;
     * ``slot_valid`` (B, T) bool: the slot holds a live token of the sequence (the layer's layout);
-    * ``value_norms`` (B, T) float32 or None: mean over heads of ||v W_o||_1 (CriticalKV).
+    * ``value_norms`` (B, T) float32 or None: mean over heads of ||v W_o||_1 (CriticalKV);
+    * ``slot_head`` (B, T) int64 or None: the KV head of each slot of a folded layer (``fold_heads``).
 
     With ``head_selection="per_head"`` every KV head keeps its own slots: ``counts`` and both positions are
     (B, H_kv, T), each head's slot t holding its own token. Every head of a sequence keeps the same number of
     slots, so the layout ``slot_valid`` stays (B, T), one for all heads, and one 2-D mask still describes it.
+
+    After an adaptive selection (``budget_allocation="adaptive"``, heads of different lengths) the layer folds
+    its heads into one row (``kvcompress/ragged.py``): every field becomes (B, N) over the N kept (head, token)
+    slots, ``head_scores`` (B, 1, N), and ``slot_head`` says whose each slot is. A folded layer is not evicted
+    again; ``append`` gives each new token one slot per head.
 
     ``scored_units`` (B,) int64, or None for the parameters' ``intermediate_size``, is the layer's own scored
     area per sequence in eviction units, set when layers compete for one budget (``budget_allocation="global"``).
@@ -83,7 +89,7 @@ class LayerState:
     mean and covariance): eviction leaves it alone, beam search reorders it.
     """
 
-    _FIELDS = ("head_scores", "counts", "rope_positions", "true_positions", "slot_valid", "value_norms")
+    _FIELDS = ("head_scores", "counts", "rope_positions", "true_positions", "slot_valid", "value_norms", "slot_head")
 
     def __init__(self, head_scores, counts, rope_positions, true_positions, slot_valid, value_norms=None):
         self._length = counts.shape[-1]
@@ -91,8 +97,9 @@ class LayerState:
         self._buffers: dict[str, torch.Tensor | None] = {}
         self.statistics: dict[str, torch.Tensor] = {}
         self.scored_units: torch.Tensor | None = None
+        self.folded_heads: int | None = None  # KV heads folded into one row (``fold_heads``), else None
         for name, tensor in zip(self._FIELDS, (head_scores, counts, rope_positions, true_positions, slot_valid,
-                                               value_norms)):
+                                               value_norms, None)):
             setattr(self, name, tensor)
 
     @property
@@ -157,6 +164,9 @@ class LayerState:
         None when nothing reads them (no scored area, or a method that scores at eviction): the new slots then
         start at zero without any work. ``combine`` is the scorer's (``add``, ``max`` or ``replace``).
         """
+        if self.folded_heads is not None:  # one slot per head and token, token-major (ragged.fold_new_tokens)
+            rope_positions, true_positions, new_valid = (tensor.repeat_interleave(self.folded_heads, -1)
+                                                         for tensor in (rope_positions, true_positions, new_valid))
         old = self._length
         new = old + rope_positions.shape[-1]
         self._reserve(new)
@@ -172,6 +182,9 @@ class LayerState:
             if buffers["value_norms"] is None:
                 buffers["value_norms"] = self._allocate_like(value_norms, self._capacity)
             buffers["value_norms"][..., old:new] = value_norms
+        if self.folded_heads is not None:
+            buffers["slot_head"][..., old:new] = torch.arange(self.folded_heads, device=new_valid.device).repeat(
+                (new - old) // self.folded_heads)
         self._length = new
 
     def merge(self, scores: torch.Tensor, combine: str) -> None:
@@ -202,6 +215,25 @@ class LayerState:
             kept[..., :width] = gather_slots(buffer[..., : self._length], index, dim=-1)
             self._buffers[name] = kept
         self._length = width
+
+    def fold_heads(self, source: torch.Tensor, valid: torch.Tensor) -> None:
+        """Fold a per-head state (B, H_kv, T) into one row: keep the flat head-major slots ``source`` (B, N) of
+        (B, H_kv·T), ``valid`` (B, N) marking the live ones (``CompressedLayer.keep_per_head``)."""
+        heads, total = self._buffers["rope_positions"].shape[1], self._length
+        width = source.shape[-1]
+        self._capacity = self._capacity_for(width)
+        for name, buffer in self._buffers.items():
+            if buffer is None:
+                continue
+            view = buffer[..., :total]
+            folded = view.flatten(1).gather(1, source) if view.dim() == 3 else view.gather(1, source % total)
+            kept = self._allocate_like(folded, self._capacity)
+            kept[..., :width] = folded
+            self._buffers[name] = kept.unsqueeze(1) if name == "head_scores" else kept
+        self._length = width
+        self.slot_valid = valid
+        self.slot_head = torch.div(source, total, rounding_mode="floor")
+        self.folded_heads = heads
 
     @property
     def per_head(self) -> bool:

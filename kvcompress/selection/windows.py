@@ -63,6 +63,30 @@ def global_scored_units(
     return winners.view(batch, layers, count).sum(-1).transpose(0, 1).reshape(-1)
 
 
+def adaptive_scored_units(
+    head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters,
+    scored_units: torch.Tensor,
+) -> torch.Tensor:
+    """Scored units per KV head (R, H) when a layer's heads share its scored area (AdaKV, "floor, then compete").
+
+    Per row r (a layer's sequence), every head first keeps its own best ``⌊adaptive_floor · scored_units[r]⌋``
+    units; then the heads' remaining candidates compete by score for the rest of ``H · scored_units[r]``. A head
+    gets as many units as it has among the winners, and selection then keeps each head's own best that many, so
+    the heads' kept sets are the tops of their own rankings and the layer's total is exactly ``H`` times the
+    uniform area (fewer only where a head has fewer candidates). ``adaptive_floor`` 1 is uniform per head, 0 a
+    pure top-k over the layer's heads. Ties go to the lower head and the older unit.
+    """
+    rows, heads, total = head_scores.shape
+    units = _units(head_scores.reshape(rows * heads, 1, total), slot_valid.repeat_interleave(heads, 0), params)
+    count = units.candidates.shape[-1]
+    floor = torch.floor(params.adaptive_floor * scored_units.double()).long()
+    safe = _top_k_mask(units.scores, units.candidates, floor.repeat_interleave(heads))
+    boosted = torch.where(safe, torch.inf, units.scores)
+    winners = _top_k_mask(boosted.view(rows, heads * count), units.candidates.view(rows, heads * count),
+                          heads * scored_units)
+    return winners.view(rows, heads, count).sum(-1)
+
+
 @dataclasses.dataclass
 class _Units:
     """The eviction units of each row (B, U), and which slots (B, T) are always kept or belong to a unit."""

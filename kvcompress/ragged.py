@@ -1,0 +1,73 @@
+"""The head-adaptive layout (``budget_allocation="adaptive"``): each KV head keeps its own number of slots.
+
+A rectangular (B, H_kv, T, d) cache cannot hold heads of different lengths without padding every head to the
+longest, which gives back much of what adaptive budgets save. So a layer whose heads were selected adaptively
+*folds* its heads into one row: keys and values become (B, 1, N, d), N the sum of the heads' kept counts (the
+widest sequence's, others left-filled with dead slots), head-major, and every slot records its KV head
+(``LayerState.slot_head``). The cache then holds exactly what is kept. Tokens that arrive later (a question, the
+answer) append H_kv slots each, token-major, one per head.
+
+Attention over a folded layer is the session's own (``folded_attention``): the queries of KV head h's group see
+the live slots of head h, causally. It is a multi-query attention over all N slots with a head mask, so it does
+H_kv times the multiply-adds of a per-head varlen kernel (the AdaKV repository's CUDA path), with no padding and
+no copy of the cache; this is the layout's cost per decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fold_new_tokens(tensor: torch.Tensor) -> torch.Tensor:
+    """(B, H_kv, q, d) -> (B, 1, q·H_kv, d): a forward's new slots, token-major, one per head."""
+    batch, heads, length, dim = tensor.shape
+    return tensor.transpose(1, 2).reshape(batch, 1, length * heads, dim)
+
+
+def folded_head_of_new(heads: int, length: int, batch: int, device: torch.device) -> torch.Tensor:
+    """(B, q·H_kv) the KV head of each new slot, in ``fold_new_tokens``' order."""
+    return torch.arange(heads, device=device).repeat(length).expand(batch, -1)
+
+
+def fold_kept(tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """(B, H_kv, T, d) gathered at flat head-major indices ``source`` (B, N) into (B, H_kv·T): (B, 1, N, d)."""
+    flat = tensor.flatten(1, 2)
+    return flat.gather(1, source.unsqueeze(-1).expand(-1, -1, flat.shape[-1])).unsqueeze(1)
+
+
+def folded_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot_valid: torch.Tensor,
+    slot_head: torch.Tensor,
+    kv_heads: int,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention output (B, q, H, d) of queries (B, H, q, d) over a folded layer's slots (B, 1, M, d).
+
+    ``slot_valid`` and ``slot_head`` (B, M) cover the cached slots and this forward's new ones (the last q·H_kv,
+    token-major): query head i of new token j sees the live slots of its KV head among the cached slots and the
+    new tokens up to j. A padding query that would see nothing sees everything instead (finite, never read).
+    Softmax in float32, as transformers' eager attention.
+    """
+    batch, query_heads, length, _ = query.shape
+    total = keys.shape[-2]
+    device = query.device
+    token_of_slot = torch.cat([
+        torch.full((total - length * kv_heads,), -1, device=device),
+        torch.arange(length, device=device).repeat_interleave(kv_heads),
+    ])
+    head_of_query = torch.arange(query_heads, device=device) // (query_heads // kv_heads)
+    allowed = (
+        slot_valid[:, None, None, :]
+        & (slot_head[:, None, None, :] == head_of_query[None, :, None, None])
+        & (token_of_slot[None, None, None, :] <= torch.arange(length, device=device)[None, None, :, None])
+    )
+    allowed |= ~allowed.any(-1, keepdim=True)
+    weights = torch.matmul(query, keys.transpose(-1, -2)).float() * scaling
+    if softcap:
+        weights = softcap * torch.tanh(weights / softcap)
+    weights = weights.masked_fill_(~allowed, -torch.inf).softmax(-1).to(values.dtype)
+    return torch.matmul(weights, values).transpose(1, 2).contiguous()

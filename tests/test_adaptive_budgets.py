@@ -1,0 +1,220 @@
+"""``budget_allocation="adaptive"``: a layer's KV heads share its budget by score (AdaKV), and the cache holds
+exactly the kept (head, token) slots (the folded layout of ``kvcompress/ragged.py``).
+
+* The kept sets equal an independent "floor, then compete" selection computed from the scores the heads were
+  ranked by; the per-head counts sum to the layer budget; a floor of 1 is uniform per-head selection.
+* Attention over the folded layout equals a full-cache run whose attention hides, per head, the evicted slots.
+* Real KV bytes equal the nominal budget; budget >= prompt changes nothing for every scorer; a padded batch
+  gives every sequence its solo run; a folded cache refuses to be compressed again, with a clear error.
+"""
+
+import pytest
+import torch
+import transformers
+from transformers import AttentionInterface
+from transformers.models.llama.modeling_llama import repeat_kv
+
+from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
+from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from kvcompress.cache import kv_cache_bytes, kv_cache_length
+from kvcompress.scoring.registry import SCORERS
+
+SIZES = dict(start_size=4, intermediate_size=16, recent_size=6)
+PROMPT, NEW = 70, 8
+
+
+def _model(kv_heads: int = 4, layers: int = 2, attn_implementation: str = "sdpa"):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                                      num_attention_heads=8, num_key_value_heads=kv_heads, pad_token_id=0)
+    config._attn_implementation = attn_implementation
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _adaptive(floor: float = 0.2, **overrides) -> KVCacheCompressionParameters:
+    base = dict(algorithm="snapkv", window_size=8, head_selection="per_head", budget_allocation="adaptive",
+                adaptive_floor=floor, compress_during_decoding=False, **SIZES)
+    return KVCacheCompressionParameters(**{**base, **overrides})
+
+
+def _kept_per_head(state) -> list[list[list[int]]]:
+    """Each sequence's kept true positions per KV head, from a folded state or a rectangular per-head one."""
+    if state.folded_heads is None:
+        return [[head.tolist() for head in row] for row in state.true_positions]
+    return [[row_positions[row_valid & (row_heads == head)].tolist() for head in range(state.folded_heads)]
+            for row_positions, row_valid, row_heads in zip(state.true_positions, state.slot_valid, state.slot_head)]
+
+
+def _floor_then_compete(scores: torch.Tensor, params) -> list[list[int]]:
+    """The kept positions per head of one sequence, from its eviction scores (H, T), by plain Python: windows in
+    every head; each head's best ⌊floor·n⌋ of the scored area; the rest of H·n by score over all heads (ties:
+    lower head, older token); each head's count filled from its own ranking."""
+    heads, total = scores.shape
+    start, recent, n = params.start_size, params.recent_size, params.intermediate_size
+    middle = range(start, total - recent)
+    safe = int(params.adaptive_floor * n)
+    ranked = [sorted(middle, key=lambda t, h=h: (-float(scores[h, t]), t)) for h in range(heads)]
+    counts = [safe] * heads
+    rest = sorted(((h, t) for h in range(heads) for t in ranked[h][safe:]),
+                  key=lambda ht: (-float(scores[ht[0], ht[1]]), ht[0], ht[1]))
+    for h, _ in rest[: heads * n - heads * safe]:
+        counts[h] += 1
+    windows = list(range(start)) + list(range(total - recent, total))
+    return [sorted(windows + ranked[h][: counts[h]]) for h in range(heads)]
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.2, 0.9])
+@pytest.mark.parametrize("algorithm", ["snapkv", "keydiff"])
+def test_kept_sets_equal_an_independent_floor_then_compete_selection(algorithm, floor):
+    model = _model()
+    params = _adaptive(floor, algorithm=algorithm, window_size=8 if algorithm == "snapkv" else None)
+    captured = []
+    with KVCacheCompressor(params)(model) as session, torch.no_grad():
+        ranking = session.scorer.eviction_scores
+
+        def capture(state, keys, values, slot_valid):
+            scores = ranking(state, keys, values, slot_valid)
+            captured.append(scores[0].clone())
+            return scores
+
+        session.scorer.eviction_scores = capture
+        cache = model(random_tokens(PROMPT), use_cache=True).past_key_values
+        states = [session.layers[index] for index in sorted(session.layers)]
+    uneven = False
+    for layer, (state, scores) in enumerate(zip(states, captured)):
+        kept = _kept_per_head(state)[0]
+        assert kept == _floor_then_compete(scores, params), f"layer {layer}"
+        counts = [len(head) for head in kept]
+        assert sum(counts) == model.config.num_key_value_heads * params.max_cache_size
+        assert min(counts) >= params.start_size + params.recent_size + int(floor * params.intermediate_size)
+        uneven |= len(set(counts)) > 1
+        # every folded slot holds the uncompressed key of its head and token
+        assert cache.layers[layer].keys.shape == (1, 1, sum(counts), model.config.head_dim)
+    assert uneven, "every head kept the same count: the test cannot tell adaptive from uniform"
+
+
+def test_a_floor_of_one_is_uniform_per_head_selection():
+    model = _model()
+    ids = random_tokens(PROMPT)
+    runs = []
+    for params in (_adaptive(1.0), KVCacheCompressionParameters(
+            algorithm="snapkv", window_size=8, head_selection="per_head", compress_during_decoding=False, **SIZES)):
+        with KVCacheCompressor(params)(model) as session:
+            out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                                 output_scores=True, return_dict_in_generate=True)
+            kept = [[[t for t in head if t < PROMPT] for head in _kept_per_head(state)[0]]
+                    for state in session.layers.values()]
+        runs.append((out.sequences, torch.stack(out.scores), kept))
+    assert runs[0][2] == runs[1][2]
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=1e-5)
+
+
+_HIDDEN: dict[int, torch.Tensor] = {}  # layer -> (H_kv, T) bool: prompt slots a head no longer sees
+
+
+def _eager_hiding_evicted(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention over the full cache, with each KV head's evicted prompt slots hidden from its queries."""
+    keys, values = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, keys.transpose(2, 3)) * scaling
+    length, total = weights.shape[-2:]
+    future = torch.ones(length, total, dtype=torch.bool).triu(total - length + 1)  # causal, no padding here
+    weights = weights.masked_fill(future, float("-inf"))
+    hidden = _HIDDEN.get(module.layer_idx)
+    if hidden is not None and length == 1:
+        per_query_head = hidden.repeat_interleave(module.num_key_value_groups, 0)  # (H, T_prompt)
+        mask = torch.nn.functional.pad(per_query_head, (0, total - hidden.shape[-1]), value=False)
+        weights = weights.masked_fill(mask[None, :, None, :], float("-inf"))
+    weights = weights.softmax(-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
+
+
+def test_folded_attention_equals_the_full_cache_with_evicted_slots_hidden_per_head():
+    AttentionInterface.register("test_hide_evicted", _eager_hiding_evicted)
+    model = _model()
+    ids = random_tokens(PROMPT)
+    with KVCacheCompressor(_adaptive(0.2))(model) as session:
+        out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+        kept = {index: _kept_per_head(state)[0] for index, state in session.layers.items()}
+    assert len({len(head) for heads in kept.values() for head in heads}) > 1, "no head kept a count of its own"
+    _HIDDEN.clear()
+    for index, heads in kept.items():
+        hidden = torch.ones(len(heads), PROMPT, dtype=torch.bool)
+        for head, positions in enumerate(heads):
+            hidden[head, [t for t in positions if t < PROMPT]] = False
+        _HIDDEN[index] = hidden
+    model.set_attn_implementation("test_hide_evicted")
+    try:
+        reference = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                                   output_scores=True, return_dict_in_generate=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+        _HIDDEN.clear()
+    assert torch.equal(out.sequences, reference.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(reference.scores), rtol=0, atol=1e-4)
+
+
+def test_real_kv_bytes_are_the_nominal_budget():
+    model = _model(layers=3)
+    with KVCacheCompressor(_adaptive(0.2))(model), torch.no_grad():
+        cache = model(random_tokens(PROMPT), use_cache=True).past_key_values
+    config = model.config
+    element = torch.finfo(torch.float32).bits // 8
+    nominal = 2 * config.num_hidden_layers * config.num_key_value_heads * _adaptive().max_cache_size
+    assert kv_cache_bytes(cache) == nominal * config.head_dim * element
+    assert kv_cache_length(cache) == _adaptive().max_cache_size
+
+
+@pytest.mark.parametrize("algorithm", list(SCORERS))
+def test_budget_above_the_prompt_changes_nothing(algorithm):
+    model = tiny_model("llama")
+    ids = random_tokens(50)
+    expected = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    params = scorer_parameters(algorithm, start_size=8, intermediate_size=200, recent_size=8,
+                               head_selection="per_head", budget_allocation="adaptive", compress_during_decoding=False)
+    with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model):
+        got = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("algorithm", ["snapkv", "kvzip", "expected_attention"])
+@pytest.mark.parametrize("strategy", ["per_token", "per_group"])
+def test_each_sequence_of_a_padded_batch_matches_its_solo_run(algorithm, strategy):
+    model = _model()
+    sizes = dict(start_size=4, intermediate_size=16, recent_size=8) if strategy == "per_group" else SIZES
+    params = scorer_parameters(algorithm, strategy=strategy, group_size=4, head_selection="per_head",
+                               budget_allocation="adaptive", compress_during_decoding=False,
+                               scorer_options={"chunk_size": 32} if algorithm == "kvzip" else {}, **sizes)
+    prompts = [random_tokens(n, seed=i) for i, n in enumerate((70, 45, 24))]  # the last fits its budget
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.shape[1]:], mask[row, width - prompt.shape[1]:] = prompt[0], 1
+
+    def run(tokens, attention_mask):
+        with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session:
+            out = model.generate(tokens, attention_mask=attention_mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                                 do_sample=False, pad_token_id=0)[:, tokens.shape[1]:]
+            return out, [_kept_per_head(state) for state in session.layers.values()]
+
+    batched, batched_kept = run(ids, mask)
+    for row, prompt in enumerate(prompts):
+        alone, alone_kept = run(prompt, torch.ones_like(prompt))
+        assert torch.equal(batched[row], alone[0]), f"sequence {row} diverged"
+        assert [layer[row] for layer in batched_kept] == [layer[0] for layer in alone_kept], f"sequence {row}"
+
+
+def test_questions_on_a_compressed_context_and_a_second_compression_refused():
+    model = _model()
+    context, question = random_tokens(PROMPT), random_tokens(6, seed=1)
+    with KVCacheCompressor(_adaptive(0.2))(model) as session:
+        cache = session.prefill(context)
+        slots = kv_cache_bytes(cache)
+        first = session.generate(question, max_new_tokens=NEW)
+        again = session.generate(question, max_new_tokens=NEW)
+        assert torch.equal(first, again) and kv_cache_bytes(cache) == slots  # each question on its own copy
+        with pytest.raises(ValueError, match="budget_allocation='adaptive' compresses one prompt"):
+            model(random_tokens(30, seed=2), cache=cache, use_cache=True)
+        assert kv_cache_bytes(cache) == slots  # refused before any layer changed
