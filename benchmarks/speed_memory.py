@@ -70,7 +70,14 @@ from kvcompress.presets import NONE, STREAMING_LLM, method_names, preset  # noqa
 
 GROUP_SIZE = 32
 SCORERS = tuple(m for m in method_names() if m not in (NONE, STREAMING_LLM))  # every registered scorer
-METHODS = ("none", *SCORERS, "streaming", "snapkv-per-group", "h2o-per-group")
+# <preset>-<variant>: pages, per-head selection, AdaKV's head-wise budgets (prompts compressed once, decode appends)
+VARIANTS = {
+    "per-group": {"strategy": "per_group", "group_size": GROUP_SIZE},
+    "per-head": {"head_selection": "per_head"},
+    "adaptive": {"budget_allocation": "adaptive"},
+}
+METHODS = ("none", *SCORERS, "streaming", "snapkv-per-group", "h2o-per-group", "snapkv-per-head", "snapkv-adaptive",
+           "kvzip-adaptive")
 TARGETS = {
     "prefill_snapkv": 1.05, "prefill_h2o": 1.15, "prefill_kvzip": 2.0, "peak_memory": 1.05, "peak_memory_kvzip": 1.10,
     "decode_evicted": 1.0, "decode_continuous": 0.95,
@@ -146,10 +153,9 @@ def budget_tokens(budget: float, length: int, method: str) -> int:
 
 
 def method_parameters(method: str, budget: int) -> KVCacheCompressionParameters | None:
-    """A method of ``METHODS`` (a preset name, ``-per-group`` for pages) at ``budget`` slots."""
-    name, _, strategy = method.partition("-")
-    extra = {"strategy": "per_group", "group_size": GROUP_SIZE} if strategy == "per-group" else {}
-    return preset(STREAMING_LLM if name == "streaming" else name, budget, **extra)
+    """A method of ``METHODS`` (a preset name, then a ``VARIANTS`` key) at ``budget`` slots."""
+    name, _, variant = method.partition("-")
+    return preset(STREAMING_LLM if name == "streaming" else name, budget, **VARIANTS.get(variant, {}))
 
 
 # ---------------------------------------------------------------------------------------------------- memory
@@ -293,6 +299,7 @@ def run_once(model, tokenizer, prompt: torch.Tensor, params, new_tokens: int, de
         if twin_step is not None:
             record["same_size_decode_per_token_s"] = twin_seconds / max(new_tokens, 1)
         record["kv_slots_after_decode"] = kv_cache_length(cache)
+        record["kv_bytes_after_decode"] = kv_cache_bytes(cache)
         if session is not None:
             record["decode_hooks"] = dict(session.timings)
     return record
@@ -428,7 +435,8 @@ def summarise(length, budgets, records, isolated) -> dict:
     def med(name, key):
         return median([r.get(key) for r in records[name]])
 
-    full = {k: med("none", k) for k in ("prefill_s", "prefill_peak_bytes", "kv_bytes", "decode_per_token_s")}
+    full = {k: med("none", k) for k in ("prefill_s", "prefill_peak_bytes", "kv_bytes", "kv_bytes_after_decode",
+                                        "decode_per_token_s")}
     rows = []
     for name in records:
         if name == "none":
@@ -450,6 +458,7 @@ def summarise(length, budgets, records, isolated) -> dict:
         row["prefill_hook_share"] = row["prefill_hook_s"] / row["prefill_s"]
         row["peak_memory_ratio"] = ratio(row["prefill_peak_bytes"], full["prefill_peak_bytes"])
         row["kv_bytes_ratio"] = row["kv_bytes"] / full["kv_bytes"]
+        row["final_kv_bytes_ratio"] = med(name, "kv_bytes_after_decode") / full["kv_bytes_after_decode"]
         row["kv_bytes_expected_ratio"] = budgets[name] / length
         row["decode_speedup_vs_full"] = full["decode_per_token_s"] / row["decode_per_token_s"]
         row["same_size_decode_per_token_s"] = med(name, "same_size_decode_per_token_s")
@@ -516,9 +525,9 @@ def markdown(results: dict) -> str:
            "prefill (after `malloc_trim`)."),
         "",
         "| length | method | budget | prefill s (full → compressed) | prefill × | hook share | peak MiB (full → compr.) "
-        "| peak × | KV × (expected) | decode ms/token full → compr. | decode speed-up vs full (a) | throughput vs "
+        "| peak × | KV × (expected) | KV × after decode | decode ms/token full → compr. | decode speed-up vs full (a) | throughput vs "
         "same-size cache (b) | decode hook share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for setting in results["settings"]:
         full = setting["none"]
@@ -528,6 +537,7 @@ def markdown(results: dict) -> str:
                 f"{fmt(row['prefill_s'], '{:.2f}')} | {fmt(row['prefill_ratio'])} | {fmt(100 * row['prefill_hook_share'], '{:.1f} %')} "
                 f"| {fmt(full['prefill_peak_bytes'] / 2**20, '{:.0f}')} → {fmt(row['prefill_peak_bytes'] / 2**20, '{:.0f}')} "
                 f"| {fmt(row['peak_memory_ratio'])} | {fmt(row['kv_bytes_ratio'], '{:.4f}')} ({fmt(row['kv_bytes_expected_ratio'], '{:.4f}')}) "
+                f"| {fmt(row.get('final_kv_bytes_ratio'), '{:.4f}')} "
                 f"| {fmt(1000 * full['decode_per_token_s'], '{:.2f}')} → {fmt(1000 * row['decode_per_token_s'], '{:.2f}')} "
                 f"| {fmt(row['decode_speedup_vs_full'], '{:.2f}')} × | {fmt(row['decode_throughput_vs_same_size'])} × "
                 f"| {fmt(100 * row['decode_hook_share'], '{:.1f} %')} |"

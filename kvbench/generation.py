@@ -47,8 +47,9 @@ def cache_bytes(cache: Any, tokens: int) -> tuple[int, int]:
             continue
         size = layer.keys.nbytes + layer.values.nbytes
         held += size
-        if isinstance(layer, CompressedLayer):
-            full += (layer.keys[..., :1, :].nbytes + layer.values[..., :1, :].nbytes) * tokens
+        if isinstance(layer, CompressedLayer):  # a folded layer's slot is one head's (kvcompress/ragged.py)
+            heads = layer.folded_heads or 1
+            full += (layer.keys[..., :1, :].nbytes + layer.values[..., :1, :].nbytes) * heads * tokens
         else:
             full += size
     return held, full

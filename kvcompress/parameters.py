@@ -166,8 +166,8 @@ class KVCacheCompressionParameters:
         if self.budget_allocation != "uniform":
             if self.rerotate_keys:
                 raise ValueError(
-                    f"budget_allocation={self.budget_allocation!r} gives layers different lengths, which "
-                    "rerotate_keys=True cannot serve (one set of compact positions for every layer); use "
+                    f"budget_allocation={self.budget_allocation!r} gives layers (or heads) different lengths, "
+                    "which rerotate_keys=True cannot serve (one set of compact positions for every layer); use "
                     "budget_allocation='uniform'"
                 )
             if self.refined_algorithm is not None:

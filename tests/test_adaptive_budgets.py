@@ -218,3 +218,17 @@ def test_questions_on_a_compressed_context_and_a_second_compression_refused():
         with pytest.raises(ValueError, match="budget_allocation='adaptive' compresses one prompt"):
             model(random_tokens(30, seed=2), cache=cache, use_cache=True)
         assert kv_cache_bytes(cache) == slots  # refused before any layer changed
+
+
+def test_the_runners_full_cache_bytes_of_a_folded_cache_are_the_uncompressed_caches():
+    from kvbench.generation import cache_bytes
+
+    model = _model()
+    ids = random_tokens(PROMPT)
+    with torch.no_grad():
+        uncompressed = kv_cache_bytes(model(ids, use_cache=True).past_key_values)
+        with KVCacheCompressor(_adaptive(0.2))(model):
+            cache = model(ids, use_cache=True).past_key_values
+    held, full = cache_bytes(cache, PROMPT)
+    assert held == kv_cache_bytes(cache) and full == uncompressed
+    assert held * PROMPT == full * _adaptive().max_cache_size
