@@ -75,9 +75,10 @@ VARIANTS = {
     "per-group": {"strategy": "per_group", "group_size": GROUP_SIZE},
     "per-head": {"head_selection": "per_head"},
     "adaptive": {"budget_allocation": "adaptive"},
+    "headwise": {"budget_allocation": "global_adaptive"},
 }
 METHODS = ("none", *SCORERS, "streaming", "snapkv-per-group", "h2o-per-group", "snapkv-per-head", "snapkv-adaptive",
-           "kvzip-adaptive")
+           "kvzip-adaptive", "kvzip-headwise")
 TARGETS = {
     "prefill_snapkv": 1.05, "prefill_h2o": 1.15, "prefill_kvzip": 2.0, "peak_memory": 1.05, "peak_memory_kvzip": 1.10,
     "decode_evicted": 1.0, "decode_continuous": 0.95,

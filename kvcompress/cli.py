@@ -235,7 +235,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def _describe(params: KVCacheCompressionParameters) -> str:
     method = [params.algorithm, params.score_aggregation] if params.scorer.combine == "add" else [params.algorithm]
-    shared = ", the layers sharing the scored slots by score" if params.budget_allocation == "global" else ""
+    shared = ", the layers sharing the scored slots by score" if params.layers_share_budget else ""
     return (f"{', '.join([*method, params.strategy])}, {params.max_cache_size} slots per layer = {params.start_size} "
             f"start + {params.intermediate_size} scored + {params.recent_size} recent{shared}")
 

@@ -298,9 +298,10 @@ class CompressionSession:
             )
         if length > 1 and self._evicting and not replay and any(s is not None and s.folded_heads for s in states):
             raise ValueError(
-                "kvcompress: budget_allocation='adaptive' compresses one prompt; this cache already holds its "
-                "per-head selection and is not compressed again. Ask each question on the compressed context with "
-                "session.prefill(context) then session.generate(question), or start a new cache"
+                f"kvcompress: budget_allocation={self.parameters.budget_allocation!r} compresses one prompt; this "
+                "cache already holds its per-head selection and is not compressed again. Ask each question on the "
+                "compressed context with session.prefill(context) then session.generate(question), or start a new "
+                "cache (chat turns that compress again need a budget_allocation of 'uniform', 'global' or 'pyramid')"
             )
         device = tokens.device
         mask = kwargs.get("attention_mask")
@@ -362,7 +363,7 @@ class CompressionSession:
             self._reconstruct(self.cache, self._forward_tokens, forward, forward.valid & over[:, None])
         self._forward_tokens = None
         if due:  # a decode step's evictions, or a prompt's whose layers share one budget or were reconstructed
-            allocate = forward.valid.shape[-1] > 1 and self.parameters.budget_allocation == "global"
+            allocate = forward.valid.shape[-1] > 1 and self.parameters.layers_share_budget
             self._evict(due, slack, allocate=allocate)
         self.evictions += forward.evicted or bool(due)
 
@@ -555,7 +556,7 @@ class CompressionSession:
             scored_later = self.scorer.reconstructs and self.parameters.intermediate_size > 0
             if length == 1:  # a decode step: every due layer is evicted at once when the forward ends
                 self._due.append((module, layer))
-            elif scored_later or self.parameters.budget_allocation == "global":
+            elif scored_later or self.parameters.layers_share_budget:
                 # evicted with every layer when the forward ends: after the reconstruction passes that score it
                 # (KVzip), or when all layers' scores are known for one budget shared across layers
                 self._due.append((module, layer))
@@ -608,7 +609,8 @@ class CompressionSession:
         Selection treats every (layer, sequence) row independently, so stacking the layers' rows (their layouts
         left-padded to the longest with dead slots) gives each layer exactly what it would get alone, for the
         cost of one call instead of one per layer. ``allocate``: the layers first share their scored areas'
-        total by score (``budget_allocation="global"``), and each keeps its share from then on.
+        total by score (``budget_allocation="global"``), and each keeps its share from then on; with
+        ``"global_adaptive"`` every (layer, head) of a sequence competes for the total instead.
         """
         started = time.perf_counter()
         states = [layer.state for _, layer in layers]
@@ -624,19 +626,21 @@ class CompressionSession:
         batch = slot_rows.shape[0] // len(layers)
         live = slot_rows.sum(-1)
         units = torch.cat([self._scored_units(state) for state in states])
-        if allocate:  # only the sequences that evict now take their share, as each would alone
+        adaptive = self.parameters.heads_share_budget
+        if allocate and not adaptive:  # only the sequences that evict now take their share, as each would alone
             totals = units.view(len(layers), batch).sum(0)  # per sequence, what the layers hold together
             shares = global_scored_units(scores, slot_rows, self.parameters, totals)
             units = torch.where(live > self._budget(units) + slack, shares, units)
             for number, state in enumerate(states):
                 state.scored_units = units[number * batch : (number + 1) * batch]
         over = live > self._budget(units) + slack
-        adaptive = self.parameters.budget_allocation == "adaptive"
         if self.parameters.head_selection == "per_head":  # every (layer, sequence, head) row selects alone
             heads = scores.shape[1]
             head_units = units.repeat_interleave(heads)
-            if adaptive:  # the heads of a (layer, sequence) share its scored area by score
-                head_units = adaptive_scored_units(scores, slot_rows, self.parameters, units).reshape(-1)
+            if adaptive:  # the heads of a (layer, sequence), or of every layer, share the scored areas by score
+                layers_compete = len(layers) if allocate else 1
+                head_units = adaptive_scored_units(scores, slot_rows, self.parameters, units,
+                                                   layers_compete).reshape(-1)
             keep = select_keep_mask(scores.reshape(-1, 1, width), slot_rows.repeat_interleave(heads, 0),
                                     self.parameters, None, head_units)
             keep = keep.view(-1, heads, width)

@@ -29,7 +29,7 @@ STRATEGIES = ("per_token", "per_group")
 AGGREGATIONS = ("sum", "norm_sum")
 REFINED_ALGORITHMS = ("kvcrush", "criticalkv")
 KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternate")
-BUDGET_ALLOCATIONS = ("uniform", "global", "pyramid", "adaptive")
+BUDGET_ALLOCATIONS = ("uniform", "global", "pyramid", "adaptive", "global_adaptive")
 DEFAULT_ADAPTIVE_FLOOR = 0.2  # AdaKV's LongBench runs and kvpress's AdaKVPress (alpha_safeguard)
 HEAD_SELECTIONS = ("shared", "per_head")
 DEFAULT_SNAPKV_WINDOW = 8
@@ -180,16 +180,18 @@ class KVCacheCompressionParameters:
                 f"adaptive_floor must be in [0, 1] (the share of each head's scored area it keeps whatever the other "
                 f"heads score; 1 is uniform per head), got {self.adaptive_floor}"
             )
-        if self.budget_allocation == "adaptive":
+        if self.heads_share_budget:
             if self.head_selection != "per_head":
                 raise ValueError(
-                    "budget_allocation='adaptive' spreads a layer's budget over its KV heads, which needs "
-                    f"head_selection='per_head', got head_selection={self.head_selection!r}"
+                    f"budget_allocation={self.budget_allocation!r} spreads budgets over KV heads, which needs "
+                    f"head_selection='per_head', got head_selection={self.head_selection!r} (for layers alone, "
+                    "budget_allocation='global')"
                 )
             if self.compress_during_decoding:
                 raise ValueError(
-                    "budget_allocation='adaptive' compresses prompts only (as AdaKV and kvpress do: the head-wise "
-                    "layout is built once, decode tokens are appended); set compress_during_decoding=False"
+                    f"budget_allocation={self.budget_allocation!r} compresses prompts only (as AdaKV, KVzip and "
+                    "kvpress do: the head-wise layout is built once, decode tokens are appended); set "
+                    "compress_during_decoding=False"
                 )
         if self.pyramid_beta < 1:
             raise ValueError(
@@ -214,6 +216,16 @@ class KVCacheCompressionParameters:
     def max_cache_size(self) -> int:
         """The per-layer budget in slots: start + intermediate + recent."""
         return self.start_size + self.intermediate_size + self.recent_size
+
+    @property
+    def layers_share_budget(self) -> bool:
+        """The layers' scored areas compete by score (``"global"``, ``"global_adaptive"``)."""
+        return self.budget_allocation in ("global", "global_adaptive")
+
+    @property
+    def heads_share_budget(self) -> bool:
+        """KV heads keep counts of their own, by score (``"adaptive"``, ``"global_adaptive"``)."""
+        return self.budget_allocation in ("adaptive", "global_adaptive")
 
     @property
     def unit_size(self) -> int:

@@ -72,7 +72,7 @@ def preset(method: str, budget: int, **overrides: Any) -> KVCacheCompressionPara
     overrides.pop("algorithm", None)
     scorer = scorer_class(method)
     overrides.setdefault("budget_allocation", scorer.allocation)
-    if overrides["budget_allocation"] == "adaptive":  # AdaKV: per-head selection, prompts compressed once
+    if overrides["budget_allocation"] in ("adaptive", "global_adaptive"):  # per-head counts, prompts compressed once
         overrides.setdefault("head_selection", "per_head")
         overrides.setdefault("compress_during_decoding", False)
     return KVCacheCompressionParameters.from_budget(budget, algorithm=method, **overrides)

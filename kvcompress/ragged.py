@@ -1,4 +1,5 @@
-"""The head-adaptive layout (``budget_allocation="adaptive"``): each KV head keeps its own number of slots.
+"""The head-adaptive layout (``budget_allocation="adaptive"`` or ``"global_adaptive"``): each KV head keeps its
+own number of slots.
 
 A rectangular (B, H_kv, T, d) cache cannot hold heads of different lengths without padding every head to the
 longest, which gives back much of what adaptive budgets save. So a layer whose heads were selected adaptively
@@ -49,25 +50,28 @@ def folded_attention(
 
     ``slot_valid`` and ``slot_head`` (B, M) cover the cached slots and this forward's new ones (the last q·H_kv,
     token-major): query head i of new token j sees the live slots of its KV head among the cached slots and the
-    new tokens up to j. A padding query that would see nothing sees everything instead (finite, never read).
-    Softmax in float32, as transformers' eager attention.
+    new tokens up to j. The queries of a KV head's group attend as one block of G·q rows, so the mask is one row
+    per KV head (B, H_kv, 1, M) in a decode step. A padding query that would see nothing sees everything instead
+    (finite, never read). Softmax in float32, as transformers' eager attention.
     """
-    batch, query_heads, length, _ = query.shape
-    total = keys.shape[-2]
+    batch, query_heads, length, dim = query.shape
+    group = query_heads // kv_heads
     device = query.device
-    token_of_slot = torch.cat([
-        torch.full((total - length * kv_heads,), -1, device=device),
-        torch.arange(length, device=device).repeat_interleave(kv_heads),
-    ])
-    head_of_query = torch.arange(query_heads, device=device) // (query_heads // kv_heads)
-    allowed = (
-        slot_valid[:, None, None, :]
-        & (slot_head[:, None, None, :] == head_of_query[None, :, None, None])
-        & (token_of_slot[None, None, None, :] <= torch.arange(length, device=device)[None, None, :, None])
-    )
-    allowed |= ~allowed.any(-1, keepdim=True)
-    weights = torch.matmul(query, keys.transpose(-1, -2)).float() * scaling
+    heads = torch.arange(kv_heads, device=device)
+    allowed = (slot_valid[:, None, :] & (slot_head[:, None, :] == heads[None, :, None]))[:, :, None, :]
+    if length > 1:  # this forward's tokens see each other causally; rows are (query head in group, token)
+        total = keys.shape[-2]
+        token_of_slot = torch.cat([torch.full((total - length * kv_heads,), -1, device=device),
+                                   torch.arange(length, device=device).repeat_interleave(kv_heads)])
+        causal = token_of_slot[None, :] <= torch.arange(length, device=device)[:, None]  # (q, M)
+        allowed = allowed & causal.repeat(group, 1)
+        allowed = allowed | ~allowed.any(-1, keepdim=True)
+    # every query row against the one row of slots: a plain batched matmul (broadcasting the slots over the
+    # heads would copy them once per KV head), then viewed per KV head as (B, H_kv, G·q, M) for the mask
+    rows = query.reshape(batch, query_heads * length, dim)
+    weights = torch.bmm(rows, keys[:, 0].transpose(-1, -2)).float() * scaling
     if softcap:
         weights = softcap * torch.tanh(weights / softcap)
-    weights = weights.masked_fill_(~allowed, -torch.inf).softmax(-1).to(values.dtype)
-    return torch.matmul(weights, values).transpose(1, 2).contiguous()
+    weights = weights.view(batch, kv_heads, group * length, -1).masked_fill_(~allowed, -torch.inf).softmax(-1)
+    output = torch.bmm(weights.view(batch, query_heads * length, -1).to(values.dtype), values[:, 0])
+    return output.view(batch, query_heads, length, dim).transpose(1, 2).contiguous()

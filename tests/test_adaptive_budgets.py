@@ -1,8 +1,9 @@
-"""``budget_allocation="adaptive"``: a layer's KV heads share its budget by score (AdaKV), and the cache holds
-exactly the kept (head, token) slots (the folded layout of ``kvcompress/ragged.py``).
+"""``budget_allocation="adaptive"``: a layer's KV heads share its budget by score (AdaKV), or with
+``"global_adaptive"`` every head of every layer shares the model's (KVzip); the cache holds exactly the kept
+(head, token) slots (the folded layout of ``kvcompress/ragged.py``).
 
 * The kept sets equal an independent "floor, then compete" selection computed from the scores the heads were
-  ranked by; the per-head counts sum to the layer budget; a floor of 1 is uniform per-head selection.
+  ranked by; the counts sum to the layer's (the model's) budget; a floor of 1 is uniform per-head selection.
 * Attention over the folded layout equals a full-cache run whose attention hides, per head, the evicted slots.
 * Real KV bytes equal the nominal budget; budget >= prompt changes nothing for every scorer; a padded batch
   gives every sequence its solo run; a folded cache refuses to be compressed again, with a clear error.
@@ -45,31 +46,36 @@ def _kept_per_head(state) -> list[list[list[int]]]:
             for row_positions, row_valid, row_heads in zip(state.true_positions, state.slot_valid, state.slot_head)]
 
 
-def _floor_then_compete(scores: torch.Tensor, params) -> list[list[int]]:
-    """The kept positions per head of one sequence, from its eviction scores (H, T), by plain Python: windows in
-    every head; each head's best ⌊floor·n⌋ of the scored area; the rest of H·n by score over all heads (ties:
-    lower head, older token); each head's count filled from its own ranking."""
-    heads, total = scores.shape
+def _floor_then_compete(layer_scores: list[torch.Tensor], params) -> list[list[list[int]]]:
+    """The kept positions per layer and head of one sequence, from its eviction scores (H, T) per competing layer,
+    by plain Python: windows in every head; each head's best ⌊floor·n⌋ of the scored area; the rest of L·H·n by
+    score over every (layer, head) (ties: lower layer, lower head, older token); each head's count filled from its
+    own ranking."""
+    heads, total = layer_scores[0].shape
     start, recent, n = params.start_size, params.recent_size, params.intermediate_size
     middle = range(start, total - recent)
     safe = int(params.adaptive_floor * n)
-    ranked = [sorted(middle, key=lambda t, h=h: (-float(scores[h, t]), t)) for h in range(heads)]
-    counts = [safe] * heads
-    rest = sorted(((h, t) for h in range(heads) for t in ranked[h][safe:]),
-                  key=lambda ht: (-float(scores[ht[0], ht[1]]), ht[0], ht[1]))
-    for h, _ in rest[: heads * n - heads * safe]:
-        counts[h] += 1
+    ranked = [[sorted(middle, key=lambda t, h=h, s=s: (-float(s[h, t]), t)) for h in range(heads)]
+              for s in layer_scores]
+    counts = [[safe] * heads for _ in layer_scores]
+    layers = range(len(layer_scores))
+    rest = sorted(((i, h, t) for i in layers for h in range(heads) for t in ranked[i][h][safe:]),
+                  key=lambda iht: (-float(layer_scores[iht[0]][iht[1], iht[2]]), *iht))
+    for i, h, _ in rest[: len(layer_scores) * heads * (n - safe)]:
+        counts[i][h] += 1
     windows = list(range(start)) + list(range(total - recent, total))
-    return [sorted(windows + ranked[h][: counts[h]]) for h in range(heads)]
+    return [[sorted(windows + ranked[i][h][: counts[i][h]]) for h in range(heads)] for i in layers]
 
 
 @pytest.mark.parametrize("floor", [0.0, 0.2, 0.9])
-@pytest.mark.parametrize("algorithm", ["snapkv", "keydiff"])
-def test_kept_sets_equal_an_independent_floor_then_compete_selection(algorithm, floor):
-    model = _model()
-    params = _adaptive(floor, algorithm=algorithm, window_size=8 if algorithm == "snapkv" else None)
+@pytest.mark.parametrize("algorithm, allocation", [("snapkv", "adaptive"), ("keydiff", "adaptive"),
+                                                   ("snapkv", "global_adaptive"), ("kvzip", "global_adaptive")])
+def test_kept_sets_equal_an_independent_floor_then_compete_selection(algorithm, allocation, floor):
+    model = _model(layers=3)
+    params = _adaptive(floor, algorithm=algorithm, window_size=8 if algorithm == "snapkv" else None,
+                       budget_allocation=allocation, scorer_options={"chunk_size": 32} if algorithm == "kvzip" else {})
     captured = []
-    with KVCacheCompressor(params)(model) as session, torch.no_grad():
+    with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session, torch.no_grad():
         ranking = session.scorer.eviction_scores
 
         def capture(state, keys, values, slot_valid):
@@ -80,17 +86,25 @@ def test_kept_sets_equal_an_independent_floor_then_compete_selection(algorithm, 
         session.scorer.eviction_scores = capture
         cache = model(random_tokens(PROMPT), use_cache=True).past_key_values
         states = [session.layers[index] for index in sorted(session.layers)]
+    global_ = allocation == "global_adaptive"
+    expected = _floor_then_compete(captured, params) if global_ else [
+        _floor_then_compete([scores], params)[0] for scores in captured]
+    heads, layer_totals = model.config.num_key_value_heads, []
     uneven = False
-    for layer, (state, scores) in enumerate(zip(states, captured)):
+    for layer, state in enumerate(states):
         kept = _kept_per_head(state)[0]
-        assert kept == _floor_then_compete(scores, params), f"layer {layer}"
+        assert kept == expected[layer], f"layer {layer}"
         counts = [len(head) for head in kept]
-        assert sum(counts) == model.config.num_key_value_heads * params.max_cache_size
+        layer_totals.append(sum(counts))
         assert min(counts) >= params.start_size + params.recent_size + int(floor * params.intermediate_size)
         uneven |= len(set(counts)) > 1
-        # every folded slot holds the uncompressed key of its head and token
         assert cache.layers[layer].keys.shape == (1, 1, sum(counts), model.config.head_dim)
     assert uneven, "every head kept the same count: the test cannot tell adaptive from uniform"
+    if global_:  # the model's total is exact; the layers' differ unless the floor leaves nothing to compete for
+        assert sum(layer_totals) == len(states) * heads * params.max_cache_size
+        assert len(set(layer_totals)) > 1 or floor > 0.5
+    else:
+        assert layer_totals == [heads * params.max_cache_size] * len(states)
 
 
 def test_a_floor_of_one_is_uniform_per_head_selection():
@@ -114,45 +128,74 @@ _HIDDEN: dict[int, torch.Tensor] = {}  # layer -> (H_kv, T) bool: prompt slots a
 
 
 def _eager_hiding_evicted(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Eager attention over the full cache, with each KV head's evicted prompt slots hidden from its queries."""
+    """Eager attention over the full cache, with each KV head's evicted prompt slots hidden from the queries that
+    follow the prompt (the prompt's own queries saw it whole, before eviction)."""
     keys, values = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
     weights = torch.matmul(query, keys.transpose(2, 3)) * scaling
     length, total = weights.shape[-2:]
     future = torch.ones(length, total, dtype=torch.bool).triu(total - length + 1)  # causal, no padding here
     weights = weights.masked_fill(future, float("-inf"))
     hidden = _HIDDEN.get(module.layer_idx)
-    if hidden is not None and length == 1:
+    if hidden is not None:
         per_query_head = hidden.repeat_interleave(module.num_key_value_groups, 0)  # (H, T_prompt)
-        mask = torch.nn.functional.pad(per_query_head, (0, total - hidden.shape[-1]), value=False)
-        weights = weights.masked_fill(mask[None, :, None, :], float("-inf"))
+        columns = torch.nn.functional.pad(per_query_head, (0, total - hidden.shape[-1]), value=False)
+        after_prompt = torch.arange(total - length, total) >= hidden.shape[-1]  # (q,)
+        weights = weights.masked_fill(columns[:, None, :] & after_prompt[None, :, None], float("-inf"))
     weights = weights.softmax(-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
 
 
-def test_folded_attention_equals_the_full_cache_with_evicted_slots_hidden_per_head():
-    AttentionInterface.register("test_hide_evicted", _eager_hiding_evicted)
-    model = _model()
-    ids = random_tokens(PROMPT)
-    with KVCacheCompressor(_adaptive(0.2))(model) as session:
-        out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                             output_scores=True, return_dict_in_generate=True)
-        kept = {index: _kept_per_head(state)[0] for index, state in session.layers.items()}
-    assert len({len(head) for heads in kept.values() for head in heads}) > 1, "no head kept a count of its own"
+def _reference_generate(model, kept, ids, **options):
+    """``generate`` on the full cache with each head's evicted prompt slots (not in ``kept``) hidden."""
     _HIDDEN.clear()
     for index, heads in kept.items():
         hidden = torch.ones(len(heads), PROMPT, dtype=torch.bool)
         for head, positions in enumerate(heads):
             hidden[head, [t for t in positions if t < PROMPT]] = False
         _HIDDEN[index] = hidden
+    AttentionInterface.register("test_hide_evicted", _eager_hiding_evicted)
     model.set_attn_implementation("test_hide_evicted")
     try:
-        reference = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                                   output_scores=True, return_dict_in_generate=True)
+        return model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0, **options)
     finally:
         model.set_attn_implementation("sdpa")
         _HIDDEN.clear()
+
+
+@pytest.mark.parametrize("allocation", ["adaptive", "global_adaptive"])
+def test_folded_attention_equals_the_full_cache_with_evicted_slots_hidden_per_head(allocation):
+    """Decode steps (one query per head group) after a prompt compressed inside generate."""
+    model = _model()
+    ids = random_tokens(PROMPT)
+    with KVCacheCompressor(_adaptive(0.2, budget_allocation=allocation))(model) as session:
+        out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+        kept = {index: _kept_per_head(state)[0] for index, state in session.layers.items()}
+    assert len({len(head) for heads in kept.values() for head in heads}) > 1, "no head kept a count of its own"
+    reference = _reference_generate(model, kept, ids, output_scores=True, return_dict_in_generate=True)
     assert torch.equal(out.sequences, reference.sequences)
     torch.testing.assert_close(torch.stack(out.scores), torch.stack(reference.scores), rtol=0, atol=1e-4)
+
+
+def test_a_question_on_a_folded_context_equals_the_full_cache_with_evicted_slots_hidden():
+    """A multi-token forward on a folded cache: the question's tokens see their heads' kept slots and each
+    other causally."""
+    model = _model()
+    context, question = random_tokens(PROMPT), random_tokens(9, seed=3)
+    logits = []  # each forward's last-position logits, compressed run then reference
+    hook = model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output[:, -1]))
+    try:
+        with KVCacheCompressor(_adaptive(0.2))(model) as session:
+            session.prefill(context)
+            del logits[:]  # the context's own forward
+            answer = session.generate(question, max_new_tokens=NEW)
+            kept = {index: _kept_per_head(state)[0] for index, state in session.layers.items()}
+        compressed, logits[:] = list(logits), []
+        reference = _reference_generate(model, kept, torch.cat([context, question], dim=-1))
+    finally:
+        hook.remove()
+    assert torch.equal(answer, reference[:, PROMPT + question.shape[1]:])
+    torch.testing.assert_close(torch.stack(compressed), torch.stack(logits), rtol=0, atol=1e-4)
 
 
 def test_real_kv_bytes_are_the_nominal_budget():
@@ -166,25 +209,27 @@ def test_real_kv_bytes_are_the_nominal_budget():
     assert kv_cache_length(cache) == _adaptive().max_cache_size
 
 
+@pytest.mark.parametrize("allocation", ["adaptive", "global_adaptive"])
 @pytest.mark.parametrize("algorithm", list(SCORERS))
-def test_budget_above_the_prompt_changes_nothing(algorithm):
+def test_budget_above_the_prompt_changes_nothing(algorithm, allocation):
     model = tiny_model("llama")
     ids = random_tokens(50)
     expected = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     params = scorer_parameters(algorithm, start_size=8, intermediate_size=200, recent_size=8,
-                               head_selection="per_head", budget_allocation="adaptive", compress_during_decoding=False)
+                               head_selection="per_head", budget_allocation=allocation, compress_during_decoding=False)
     with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model):
         got = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("algorithm", ["snapkv", "kvzip", "expected_attention"])
+@pytest.mark.parametrize("algorithm, allocation", [("snapkv", "adaptive"), ("kvzip", "adaptive"),
+                                                   ("expected_attention", "adaptive"), ("kvzip", "global_adaptive")])
 @pytest.mark.parametrize("strategy", ["per_token", "per_group"])
-def test_each_sequence_of_a_padded_batch_matches_its_solo_run(algorithm, strategy):
+def test_each_sequence_of_a_padded_batch_matches_its_solo_run(algorithm, allocation, strategy):
     model = _model()
     sizes = dict(start_size=4, intermediate_size=16, recent_size=8) if strategy == "per_group" else SIZES
     params = scorer_parameters(algorithm, strategy=strategy, group_size=4, head_selection="per_head",
-                               budget_allocation="adaptive", compress_during_decoding=False,
+                               budget_allocation=allocation, compress_during_decoding=False,
                                scorer_options={"chunk_size": 32} if algorithm == "kvzip" else {}, **sizes)
     prompts = [random_tokens(n, seed=i) for i, n in enumerate((70, 45, 24))]  # the last fits its budget
     width = max(p.shape[1] for p in prompts)

@@ -15,8 +15,7 @@ Its class attributes declare the rest, so the session never compares method name
 * ``uses_window``: ``window_size`` and ``snapkv_kernel_size`` apply;
 * ``reconstructs``: after a prompt the session runs the scorer's context-reconstruction passes before it evicts
   (KVzip); the prompt's own forward then evicts nothing;
-* ``allocation``: the ``budget_allocation`` the method's presets use (KVzip: ``"global"``, as its paper and
-  kvpress select over all layers at once);
+* ``allocation``: the ``budget_allocation`` the method's presets use (KVzip: ``"global"``, over all layers at once);
 * ``options``: method-specific settings (name -> default), given as ``scorer_options`` in the parameters;
   ``minimums`` bounds the numeric ones from below.
 """

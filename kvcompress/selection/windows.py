@@ -66,15 +66,18 @@ def global_scored_units(
 def adaptive_scored_units(
     head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters,
     scored_units: torch.Tensor,
+    layers: int = 1,
 ) -> torch.Tensor:
-    """Scored units per KV head (R, H) when a layer's heads share its scored area (AdaKV, "floor, then compete").
+    """Scored units per KV head (R, H) when KV heads share the scored areas (AdaKV's "floor, then compete").
 
     Per row r (a layer's sequence), every head first keeps its own best ``⌊adaptive_floor · scored_units[r]⌋``
-    units; then the heads' remaining candidates compete by score for the rest of ``H · scored_units[r]``. A head
-    gets as many units as it has among the winners, and selection then keeps each head's own best that many, so
-    the heads' kept sets are the tops of their own rankings and the layer's total is exactly ``H`` times the
-    uniform area (fewer only where a head has fewer candidates). ``adaptive_floor`` 1 is uniform per head, 0 a
-    pure top-k over the layer's heads. Ties go to the lower head and the older unit.
+    units; then the remaining candidates of the competing heads go by score to the rest of their areas' total:
+    a layer's heads (``H · scored_units[r]``), or with ``layers`` > 1 (rows stacked layer-major, r = l·B + b;
+    ``budget_allocation="global_adaptive"``, KVzip's own selection) every head of every layer of sequence b
+    (``H · Σ_l scored_units[l·B + b]``). A head gets as many units as it has among the winners, and selection then
+    keeps each head's own best that many, so the kept sets are the tops of the heads' own rankings and the total
+    is exact (fewer only where heads have fewer candidates). ``adaptive_floor`` 1 is uniform per head, 0 a pure
+    top-k over the competing heads. Ties go to the lower layer, then head, then the older unit.
     """
     rows, heads, total = head_scores.shape
     units = _units(head_scores.reshape(rows * heads, 1, total), slot_valid.repeat_interleave(heads, 0), params)
@@ -82,9 +85,14 @@ def adaptive_scored_units(
     floor = torch.floor(params.adaptive_floor * scored_units.double()).long()
     safe = _top_k_mask(units.scores, units.candidates, floor.repeat_interleave(heads))
     boosted = torch.where(safe, torch.inf, units.scores)
-    winners = _top_k_mask(boosted.view(rows, heads * count), units.candidates.view(rows, heads * count),
-                          heads * scored_units)
-    return winners.view(rows, heads, count).sum(-1)
+    batch = rows // layers
+
+    def by_sequence(tensor: torch.Tensor) -> torch.Tensor:  # (L·B·H, U) -> (B, L·H·U)
+        return tensor.view(layers, batch, heads * count).transpose(0, 1).reshape(batch, layers * heads * count)
+
+    totals = heads * scored_units.view(layers, batch).sum(0)
+    winners = _top_k_mask(by_sequence(boosted), by_sequence(units.candidates), totals)
+    return winners.view(batch, layers, heads, count).sum(-1).transpose(0, 1).reshape(rows, heads)
 
 
 @dataclasses.dataclass
