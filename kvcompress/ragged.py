@@ -52,7 +52,7 @@ def folded_attention(
     token-major): query head i of new token j sees the live slots of its KV head among the cached slots and the
     new tokens up to j. The queries of a KV head's group attend as one block of G·q rows, so the mask is one row
     per KV head (B, H_kv, 1, M) in a decode step. A padding query that would see nothing sees everything instead
-    (finite, never read). Softmax in float32, as transformers' eager attention.
+    (finite, never read).
     """
     batch, query_heads, length, dim = query.shape
     group = query_heads // kv_heads
@@ -66,12 +66,15 @@ def folded_attention(
         causal = token_of_slot[None, :] <= torch.arange(length, device=device)[:, None]  # (q, M)
         allowed = allowed & causal.repeat(group, 1)
         allowed = allowed | ~allowed.any(-1, keepdim=True)
-    # every query row against the one row of slots: a plain batched matmul (broadcasting the slots over the
-    # heads would copy them once per KV head), then viewed per KV head as (B, H_kv, G·q, M) for the mask
-    rows = query.reshape(batch, query_heads * length, dim)
-    weights = torch.bmm(rows, keys[:, 0].transpose(-1, -2)).float() * scaling
-    if softcap:
-        weights = softcap * torch.tanh(weights / softcap)
-    weights = weights.view(batch, kv_heads, group * length, -1).masked_fill_(~allowed, -torch.inf).softmax(-1)
-    output = torch.bmm(weights.view(batch, query_heads * length, -1).to(values.dtype), values[:, 0])
+    # every query row of every head against the one row of slots, as a single-head attention of H·q rows: no
+    # copy of the slots per head, and torch's own kernels (a batched matmul would JIT a new oneDNN kernel for
+    # each decode step's new length)
+    mask = allowed.expand(batch, kv_heads, group * length, -1).reshape(batch, 1, query_heads * length, -1)
+    rows = query.reshape(batch, 1, query_heads * length, dim)
+    if softcap:  # not in sdpa: transformers' eager formula
+        weights = torch.matmul(rows, keys.transpose(-1, -2)) * scaling
+        weights = (softcap * torch.tanh(weights / softcap)).masked_fill(~mask, -torch.inf)
+        output = torch.matmul(weights.softmax(-1, dtype=torch.float32).to(values.dtype), values)
+    else:
+        output = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling)
     return output.view(batch, query_heads, length, dim).transpose(1, 2).contiguous()

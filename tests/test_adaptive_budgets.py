@@ -277,3 +277,32 @@ def test_the_runners_full_cache_bytes_of_a_folded_cache_are_the_uncompressed_cac
     held, full = cache_bytes(cache, PROMPT)
     assert held == kv_cache_bytes(cache) and full == uncompressed
     assert held * PROMPT == full * _adaptive().max_cache_size
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("length", [1, 3])
+def test_folded_attention_equals_a_per_head_loop(length, softcap):
+    """The folded attention against plain per-head softmax attention over each head's live slots (soft-capped as
+    Gemma 2 does where asked), on random slots: two sequences, three KV heads of two query heads each."""
+    from kvcompress.ragged import folded_attention
+
+    torch.manual_seed(0)
+    batch, kv_heads, group, dim, cached = 2, 3, 2, 8, 11
+    total = cached + length * kv_heads
+    query = torch.randn(batch, kv_heads * group, length, dim)
+    keys, values = torch.randn(batch, 1, total, dim), torch.randn(batch, 1, total, dim)
+    slot_head = torch.cat([torch.randint(0, kv_heads, (batch, cached)),
+                           torch.arange(kv_heads).repeat(length).expand(batch, -1)], dim=-1)
+    slot_valid = torch.rand(batch, total) > 0.2
+    slot_valid[:, cached:] = True
+    got = folded_attention(query, keys, values, slot_valid, slot_head, kv_heads, 0.3, softcap)
+    for b in range(batch):
+        for head in range(kv_heads * group):
+            for token in range(length):
+                own = (slot_head[b] == head // group) & slot_valid[b]
+                own[cached:] &= torch.arange(length).repeat_interleave(kv_heads) <= token
+                scores = keys[b, 0, own] @ query[b, head, token] * 0.3
+                if softcap:
+                    scores = softcap * torch.tanh(scores / softcap)
+                expected = scores.softmax(-1) @ values[b, 0, own]
+                torch.testing.assert_close(got[b, token, head], expected, rtol=0, atol=1e-5)
