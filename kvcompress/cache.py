@@ -40,7 +40,7 @@ class CompressedLayer(DynamicLayer):
 
     @property
     def folded_heads(self) -> int | None:
-        """The KV heads folded into one row after an adaptive selection (``ragged.py``), else None."""
+        """The KV heads folded into one row after a head-wise selection (``ragged.py``), else None."""
         return None if self.state is None else self.state.folded_heads
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -159,7 +159,7 @@ def kv_cache_bytes(cache: Cache) -> int:
 def kv_cache_length(cache: Cache) -> int:
     """Physical slots per full-attention layer (what compression bounds), averaged over those layers and rounded:
     their common length, unless the layers have budgets of their own (``budget_allocation="global"``); a folded
-    layer (``budget_allocation="adaptive"``) counts its slots per head."""
+    layer (``budget_allocation="adaptive"`` or ``"global_adaptive"``) counts its slots per head."""
     lengths = [layer.keys.shape[-2] / (getattr(layer, "folded_heads", None) or 1)
                for layer in _filled_layers(cache) if not getattr(layer, "is_sliding", False)]
     return round(sum(lengths) / len(lengths)) if lengths else 0

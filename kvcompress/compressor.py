@@ -31,7 +31,7 @@ from . import attention_function
 from .adapters import ModelLayout, inspect_model, value_projection_weight
 from .cache import CompressedLayer, adopt_cache
 from .parameters import KVCacheCompressionParameters
-from .ragged import folded_attention, folded_head_of_new
+from .ragged import folded_attention, folded_head_of_new, per_new_slot
 from .rerotation import check_rerotation_supported, rotate_keys
 from .scoring.attention import observation_counts
 from .scoring.base import AttentionCall
@@ -507,7 +507,7 @@ class CompressionSession:
             return self._forward_layout
         new_valid = self._forward.valid
         if state.folded_heads:  # one slot per head and token (ragged.fold_new_tokens)
-            new_valid = new_valid.repeat_interleave(state.folded_heads, -1)
+            new_valid = per_new_slot(new_valid, state.folded_heads)
         layout = torch.cat([state.slot_valid, new_valid], dim=-1)
         return layout, bool(layout.all())
 

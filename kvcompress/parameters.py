@@ -30,6 +30,8 @@ AGGREGATIONS = ("sum", "norm_sum")
 REFINED_ALGORITHMS = ("kvcrush", "criticalkv")
 KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternate")
 BUDGET_ALLOCATIONS = ("uniform", "global", "pyramid", "adaptive", "global_adaptive")
+LAYER_SHARED_ALLOCATIONS = ("global", "global_adaptive")  # the layers' scored areas compete by score
+HEAD_SHARED_ALLOCATIONS = ("adaptive", "global_adaptive")  # KV heads keep counts of their own, by score
 DEFAULT_ADAPTIVE_FLOOR = 0.2  # AdaKV's LongBench runs and kvpress's AdaKVPress (alpha_safeguard)
 HEAD_SELECTIONS = ("shared", "per_head")
 DEFAULT_SNAPKV_WINDOW = 8
@@ -220,12 +222,12 @@ class KVCacheCompressionParameters:
     @property
     def layers_share_budget(self) -> bool:
         """The layers' scored areas compete by score (``"global"``, ``"global_adaptive"``)."""
-        return self.budget_allocation in ("global", "global_adaptive")
+        return self.budget_allocation in LAYER_SHARED_ALLOCATIONS
 
     @property
     def heads_share_budget(self) -> bool:
         """KV heads keep counts of their own, by score (``"adaptive"``, ``"global_adaptive"``)."""
-        return self.budget_allocation in ("adaptive", "global_adaptive")
+        return self.budget_allocation in HEAD_SHARED_ALLOCATIONS
 
     @property
     def unit_size(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .parameters import KVCacheCompressionParameters
+from .parameters import HEAD_SHARED_ALLOCATIONS, KVCacheCompressionParameters
 from .scoring.registry import SCORERS, scorer_class
 
 __all__ = ["NONE", "STREAMING_LLM", "STREAMING_LLM_SINKS", "budget_slots", "method_names", "preset"]
@@ -72,7 +72,7 @@ def preset(method: str, budget: int, **overrides: Any) -> KVCacheCompressionPara
     overrides.pop("algorithm", None)
     scorer = scorer_class(method)
     overrides.setdefault("budget_allocation", scorer.allocation)
-    if overrides["budget_allocation"] in ("adaptive", "global_adaptive"):  # per-head counts, prompts compressed once
+    if overrides["budget_allocation"] in HEAD_SHARED_ALLOCATIONS:  # per-head counts, prompts compressed once
         overrides.setdefault("head_selection", "per_head")
         overrides.setdefault("compress_during_decoding", False)
     return KVCacheCompressionParameters.from_budget(budget, algorithm=method, **overrides)

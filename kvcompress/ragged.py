@@ -30,6 +30,12 @@ def folded_head_of_new(heads: int, length: int, batch: int, device: torch.device
     return torch.arange(heads, device=device).repeat(length).expand(batch, -1)
 
 
+def per_new_slot(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """A per-token field of a forward's new tokens (B, q) as one value per new slot (B, q·H_kv), in
+    ``fold_new_tokens``' order."""
+    return tensor.repeat_interleave(heads, -1)
+
+
 def fold_kept(tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """(B, H_kv, T, d) gathered at flat head-major indices ``source`` (B, N) into (B, H_kv·T): (B, 1, N, d)."""
     flat = tensor.flatten(1, 2)

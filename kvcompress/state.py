@@ -16,6 +16,8 @@ import dataclasses
 
 import torch
 
+from .ragged import folded_head_of_new, per_new_slot
+
 
 def gather_slots(tensor: torch.Tensor, keep: torch.Tensor, dim: int = -2) -> torch.Tensor:
     """Select slots ``keep`` along ``dim`` of a (B, ..., T, ...) tensor: (B, K) for every head alike, or
@@ -75,10 +77,10 @@ class LayerState:
     (B, H_kv, T), each head's slot t holding its own token. Every head of a sequence keeps the same number of
     slots, so the layout ``slot_valid`` stays (B, T), one for all heads, and one 2-D mask still describes it.
 
-    After an adaptive selection (``budget_allocation="adaptive"``, heads of different lengths) the layer folds
-    its heads into one row (``kvcompress/ragged.py``): every field becomes (B, N) over the N kept (head, token)
-    slots, ``head_scores`` (B, 1, N), and ``slot_head`` says whose each slot is. A folded layer is not evicted
-    again; ``append`` gives each new token one slot per head.
+    After a head-wise selection (``budget_allocation="adaptive"`` or ``"global_adaptive"``: heads of different
+    lengths) the layer folds its heads into one row (``kvcompress/ragged.py``): every field becomes (B, N) over
+    the N kept (head, token) slots, ``head_scores`` (B, 1, N), and ``slot_head`` says whose each slot is. A folded
+    layer is not evicted again; ``append`` gives each new token one slot per head.
 
     ``scored_units`` (B,) int64, or None for the parameters' ``intermediate_size``, is the layer's own scored
     area per sequence in eviction units, set when layers compete for one budget (``budget_allocation="global"``).
@@ -165,7 +167,7 @@ class LayerState:
         start at zero without any work. ``combine`` is the scorer's (``add``, ``max`` or ``replace``).
         """
         if self.folded_heads is not None:  # one slot per head and token, token-major (ragged.fold_new_tokens)
-            rope_positions, true_positions, new_valid = (tensor.repeat_interleave(self.folded_heads, -1)
+            rope_positions, true_positions, new_valid = (per_new_slot(tensor, self.folded_heads)
                                                          for tensor in (rope_positions, true_positions, new_valid))
         old = self._length
         new = old + rope_positions.shape[-1]
@@ -183,8 +185,8 @@ class LayerState:
                 buffers["value_norms"] = self._allocate_like(value_norms, self._capacity)
             buffers["value_norms"][..., old:new] = value_norms
         if self.folded_heads is not None:
-            buffers["slot_head"][..., old:new] = torch.arange(self.folded_heads, device=new_valid.device).repeat(
-                (new - old) // self.folded_heads)
+            buffers["slot_head"][..., old:new] = folded_head_of_new(
+                self.folded_heads, (new - old) // self.folded_heads, new_valid.shape[0], new_valid.device)
         self._length = new
 
     def merge(self, scores: torch.Tensor, combine: str) -> None:
