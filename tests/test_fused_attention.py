@@ -29,7 +29,7 @@ def _inputs(dtype=torch.float32, length=NEW):
     return queries, keys, values, slot_valid, observed
 
 
-def _reference(queries, keys, values, slot_valid, observed, scaling, softcap=None):
+def _reference(queries, keys, values, slot_valid, observed, scaling, softcap=None, reduce="sum"):
     q, k, v = queries.double(), keys.double(), values.double()
     groups = HEADS // KV_HEADS
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -42,8 +42,10 @@ def _reference(queries, keys, values, slot_valid, observed, scaling, softcap=Non
     logits = logits.masked_fill(~allowed[:, None], float("-inf"))
     weights = logits.softmax(-1)
     output = (weights @ v).transpose(1, 2)  # (B, q, H, d)
-    scores = (weights * observed[:, None, :, None]).sum(2).view(2, KV_HEADS, groups, total).sum(2)
-    return scores, output
+    observed_weights = (weights * observed[:, None, :, None]).view(2, KV_HEADS, groups, length, total)
+    if reduce == "max":  # the most any observed row of any query head of the group gives the slot (KVzip)
+        return observed_weights.amax((2, 3)), output
+    return observed_weights.sum((2, 3)), output
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -62,24 +64,27 @@ def backend(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("reduce", ["sum", "max"])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("length", [NEW, 1], ids=["prefill", "decode"])
-def test_fused_output_and_scores_match_plain_attention(backend, length, softcap):
+def test_fused_output_and_scores_match_plain_attention(backend, length, softcap, reduce):
     queries, keys, values, slot_valid, observed = _inputs(length=length)
-    scores, output = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, softcap, values=values)
-    expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.3, softcap)
+    scores, output = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, softcap, values=values,
+                                                  reduce=reduce)
+    expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.3, softcap, reduce)
     real = observed[:, :, None, None].expand_as(output)
     assert torch.isfinite(output).all()  # padding rows too: their values feed later layers' masked slots
     torch.testing.assert_close(output[real].double(), expected_output[real], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
-    side_scores, none = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, softcap)
+    side_scores, none = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, softcap, reduce=reduce)
     assert none is None
     torch.testing.assert_close(side_scores, scores, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("reduce", ["sum", "max"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("length", [NEW, 1], ids=["prefill", "decode"])
-def test_native_kernel_matches_plain_attention_on_every_thread_count(monkeypatch, threads, length):
+def test_native_kernel_matches_plain_attention_on_every_thread_count(monkeypatch, threads, length, reduce):
     """The kernel hands its tasks ((sequence, head, row block) in a prefill, each thread summing into its own column
     buffer; (sequence, KV head) in a decode step) to the threads as they come free: the result must not depend
     on which thread took which."""
@@ -92,10 +97,11 @@ def test_native_kernel_matches_plain_attention_on_every_thread_count(monkeypatch
     torch.set_num_threads(threads)
     try:
         assert kernel.parallel_threads() == threads  # the split really happens (the build has OpenMP)
-        scores, output = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, values=values)
+        scores, output = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, values=values,
+                                                      reduce=reduce)
     finally:
         torch.set_num_threads(previous)
-    expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.3)
+    expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.3, reduce=reduce)
     real = observed[:, :, None, None].expand_as(output)
     torch.testing.assert_close(output[real].double(), expected_output[real], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
@@ -109,6 +115,34 @@ def test_fused_output_in_bfloat16_is_close_to_float64():
     real = observed[:, :, None, None].expand_as(output)
     torch.testing.assert_close(output[real].double(), expected_output[real], rtol=0.05, atol=0.05)
     torch.testing.assert_close(scores.double(), expected_scores, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("length", [NEW, 1], ids=["prefill", "decode"])
+def test_native_kernel_on_bfloat16_inputs_scores_as_exactly_as_float32(monkeypatch, threads, length, reduce):
+    """The kernel's bfloat16 branch (MKL's bfloat16 GEMM, float32 accumulation), called directly so that it runs
+    on any CPU: the logits of bfloat16 queries and keys are exact in float32, so the scores match the float64
+    definition as closely as the float32 branch does (measured: 5e-7 relative); only the output carries the
+    rounding of the probabilities and of its own bfloat16 result."""
+    kernel = native.kernel()
+    assert kernel is not None
+    if not kernel.bfloat16_products():
+        pytest.skip("this build's BLAS has no bfloat16 GEMM: bfloat16 inputs take float32 copies")
+    queries, keys, values, slot_valid, observed = _inputs(torch.bfloat16, length=length)
+    key_bias = torch.zeros(slot_valid.shape).masked_fill_(~slot_valid, float("-inf"))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        scores, output = kernel.fused_attention(queries, keys, values, 0.25, key_bias, observed.float(),
+                                                reduce == "max", 3, 8)
+    finally:
+        torch.set_num_threads(previous)
+    expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.25, reduce=reduce)
+    real = observed[:, :, None, None].expand_as(output)
+    assert scores.dtype == output.dtype == torch.float32
+    torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(output[real].double(), expected_output[real], rtol=0.02, atol=0.02)
 
 
 def _reference_prefix_max(queries, keys, values, scaling):

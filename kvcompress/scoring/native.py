@@ -21,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from kvcompress.models import cpu_has_native_bfloat16
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fused_attention.cpp")
@@ -72,11 +74,21 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def supports(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """The kernel handles CPU tensors in float32, and in half precision through float32 copies of one layer's
-    queries, keys and values (the torch implementation it replaces computes in float32 too, chunk by chunk,
-    3.6 × the uncompressed bfloat16 prefill and 17 × its peak memory on the tiny Llama at 8k); anything else
-    takes the torch implementation."""
+    """The kernel handles CPU tensors in float32 and bfloat16 (``input_dtype``), float16 through float32 copies
+    of one layer's queries, keys and values (the torch implementation it replaces computes in float32 too, chunk
+    by chunk, 3.6 × the uncompressed bfloat16 prefill and 17 × its peak memory on the tiny Llama at 8k); anything
+    else takes the torch implementation."""
     return all(t.device.type == "cpu" and t.dtype in _DTYPES for t in (queries, keys, values))
+
+
+def input_dtype(kernel: ModuleType, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernel takes a layer's queries, keys and values in: bfloat16 as they are where the CPU
+    multiplies bfloat16 natively and the BLAS has a bfloat16 GEMM (products 3 × faster than on float32 copies,
+    scores as exact: float32 accumulation), float32 copies otherwise (emulated bfloat16 products are slower than
+    float32 ones)."""
+    if dtype == torch.bfloat16 and kernel.bfloat16_products() and cpu_has_native_bfloat16():
+        return torch.bfloat16
+    return torch.float32
 
 
 def _build() -> ModuleType:
