@@ -9,6 +9,7 @@ implementation in ``attention.py`` is used: same results, slower H2O prefills an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -86,9 +87,13 @@ def input_dtype(kernel: ModuleType, dtype: torch.dtype) -> torch.dtype:
     multiplies bfloat16 natively and the BLAS has a bfloat16 GEMM (products 3 × faster than on float32 copies,
     scores as exact: float32 accumulation), float32 copies otherwise (emulated bfloat16 products are slower than
     float32 ones)."""
-    if dtype == torch.bfloat16 and kernel.bfloat16_products() and cpu_has_native_bfloat16():
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if dtype == torch.bfloat16 and _bfloat16_inputs(kernel) else torch.float32
+
+
+@functools.cache
+def _bfloat16_inputs(kernel: ModuleType) -> bool:
+    """Asked once per kernel: the answer is the machine's, and the question comes in every layer's decode step."""
+    return kernel.bfloat16_products() and cpu_has_native_bfloat16()
 
 
 def _build() -> ModuleType:
