@@ -44,3 +44,32 @@ def test_tiny_run_writes_every_target(tmp_path):
             assert run["kv_slots_after_decode"] <= 64 + 16  # the budget plus decode_slack: it kept evicting
     markdown = (tmp_path / "speed_t2.md").read_text()
     assert "## Targets (issue 6)" in markdown and "--model tiny-llama" in markdown
+
+
+def test_attention_kernel_benchmark_times_every_path(tmp_path):
+    """One layer's calls: the kernel, sdpa, and (bfloat16) the kernel on float32 copies and KVzip's path without
+    the kernel, each timed; the table is written per thread count."""
+    import attention_kernel
+
+    attention_kernel.main(["--slots", "96", "--repeats", "1", "--threads", "1", "--out", str(tmp_path / "kernel")])
+    results = json.loads((tmp_path / "kernel_bfloat16_t1_busy0.json").read_text())
+    assert [(row["call"], row["slots"]) for row in results["rows"]] == [
+        ("prefill", 96), ("reconstruction", 96), ("decode", 96)]
+    for row in results["rows"]:
+        expected = {"kernel", "sdpa", "kernel on float32 copies"} | (
+            {"flash + float32 scores"} if row["call"] == "reconstruction" else set())
+        assert set(row["seconds"]) == expected and all(seconds > 0 for seconds in row["seconds"].values())
+    assert "| reconstruction | 96 |" in (tmp_path / "kernel_bfloat16_t1_busy0.md").read_text()
+
+
+def test_decode_overhead_splits_the_gap_on_a_tiny_model(tmp_path):
+    """Three caches decode in turn; the split and the profile are written."""
+    import decode_overhead
+
+    decode_overhead.main(["--model", "tiny-llama", "--length", "128", "--steps", "4", "--repeats", "1",
+                          "--dtype", "float32", "--profile", "--out", str(tmp_path / "split")])
+    result = json.loads((tmp_path / "split.json").read_text())
+    assert set(result["ms_per_step"]) == {"same-size", "session, no eviction", "continuous"}
+    assert result["budget"] == 26 and "fused_attention" in result["profile"]
+    assert "(b) = same-size / continuous" in (tmp_path / "split.md").read_text()
+    assert (tmp_path / "split_profile.txt").exists()
