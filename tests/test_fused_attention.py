@@ -6,6 +6,8 @@ slots up to T - q + i), dead slots masked for real queries, softmax, weights @ v
 diagonal mask and the padding masks all run.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -46,6 +48,17 @@ def _reference(queries, keys, values, slot_valid, observed, scaling, softcap=Non
     if reduce == "max":  # the most any observed row of any query head of the group gives the slot (KVzip)
         return observed_weights.amax((2, 3)), output
     return observed_weights.sum((2, 3)), output
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's intra-op thread count (which the kernel's workers follow) set for the block, then restored."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -93,14 +106,10 @@ def test_native_kernel_matches_plain_attention_on_every_thread_count(monkeypatch
     queries, keys, values, slot_valid, observed = _inputs(length=length)
     kernel = native.kernel()
     assert kernel is not None and native.supports(queries, keys, values)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         assert kernel.parallel_threads() == threads  # the split really happens (the build has OpenMP)
         scores, output = attention.observed_attention(queries, keys, slot_valid, observed, 0.3, values=values,
                                                       reduce=reduce)
-    finally:
-        torch.set_num_threads(previous)
     expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.3, reduce=reduce)
     real = observed[:, :, None, None].expand_as(output)
     torch.testing.assert_close(output[real].double(), expected_output[real], rtol=1e-5, atol=1e-6)
@@ -131,13 +140,9 @@ def test_native_kernel_on_bfloat16_inputs_scores_as_exactly_as_float32(monkeypat
         pytest.skip("this build's BLAS has no bfloat16 GEMM: bfloat16 inputs take float32 copies")
     queries, keys, values, slot_valid, observed = _inputs(torch.bfloat16, length=length)
     key_bias = torch.zeros(slot_valid.shape).masked_fill_(~slot_valid, float("-inf"))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         scores, output = kernel.fused_attention(queries, keys, values, 0.25, key_bias, observed.float(),
                                                 reduce == "max", 3, 8)
-    finally:
-        torch.set_num_threads(previous)
     expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.25, reduce=reduce)
     real = observed[:, :, None, None].expand_as(output)
     assert scores.dtype == output.dtype == torch.float32

@@ -324,16 +324,15 @@ std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor 
   const auto type = queries.scalar_type();
   TORCH_CHECK(keys.scalar_type() == type && values.scalar_type() == type,
               "fused_attention: queries, keys and values must share one dtype");
-  if (type == at::kBFloat16) {
-    TORCH_CHECK(bfloat16_products(), "fused_attention: no bfloat16 GEMM in this build (pass float32 copies)");
-    const auto o = operands<at::BFloat16>(queries, keys, values, key_bias, row_weight);
-    if (o.length == 1) return single_query(o, alpha, maximum, options);
-    return causal_blocks(o, alpha, maximum, row_block, key_block, options);
-  }
-  TORCH_CHECK(type == at::kFloat, "fused_attention: float32 or bfloat16 tensors only");
-  const auto o = operands<float>(queries, keys, values, key_bias, row_weight);
-  if (o.length == 1) return single_query(o, alpha, maximum, options);
-  return causal_blocks(o, alpha, maximum, row_block, key_block, options);
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16, "fused_attention: float32 or bfloat16 tensors only");
+  TORCH_CHECK(type == at::kFloat || bfloat16_products(),
+              "fused_attention: no bfloat16 GEMM in this build (pass float32 copies)");
+  auto run = [&](auto element) {  // one decode step or a multi-query forward, for inputs of that element type
+    const auto o = operands<decltype(element)>(queries, keys, values, key_bias, row_weight);
+    return o.length == 1 ? single_query(o, alpha, maximum, options)
+                         : causal_blocks(o, alpha, maximum, row_block, key_block, options);
+  };
+  return type == at::kBFloat16 ? run(at::BFloat16()) : run(0.0f);
 }
 
 // How many threads the kernel's parallel loops run on: torch's thread count when the build has OpenMP (without

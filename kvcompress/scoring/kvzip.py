@@ -15,11 +15,10 @@ well. The header's slots keep score 0 (kvpress evicts them first); the start are
 Scores use the exact softmax of the reconstruction forward over every cached slot (kvpress approximates it over
 4 sinks + the chunk's own slots); the scores lie in [0, 1]. On CPU the reconstruction passes and decode steps run
 in the compiled kernel (``native.py``) in its maximum mode: output and scores in one pass, its work handed to
-threads as they come free. Measured on one SmolLM2 layer's 2k reconstruction pass (1 / 2 threads, idle): 0.13 /
-0.064 s in bfloat16 and 0.13 / 0.063 s in float32, and beside one busy process 0.10 s (2 threads, both dtypes),
+threads as they come free. One SmolLM2 layer's pass over a 2k prefix in bfloat16 (benchmarks/attention_kernel.py,
+× one masked sdpa call, which gives no scores): 1.13 / 1.15 at 1 / 2 threads and 0.84 beside a busy process,
 where torch's flash attention on the prefix and the pass's own block plus one float32 product for the scores
-(``prefix_max_attention``, the path without the kernel) takes 0.10 / 0.056 s and 0.18 / 0.10 s idle but 0.26 s
-(bfloat16) and 0.38 s (float32) beside the busy process.
+(``prefix_max_attention``, the path without the kernel) takes 1.22 / 1.51 and 2.54.
 
 Decoded tokens, and prompt tokens again, are then scored by the same rule as they are queried: each decode
 step's attention raises a slot's score to the maximum it has received (``combine = "max"``), so a decoded token
