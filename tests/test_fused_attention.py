@@ -16,17 +16,17 @@ from kvcompress.scoring import attention, native
 HEADS, KV_HEADS, DIM, CACHED, NEW = 6, 2, 16, 13, 37
 
 
-def _inputs(dtype=torch.float32, length=NEW):
+def _inputs(dtype=torch.float32, length=NEW, cached=CACHED, dim=DIM, value_dim=DIM):
     generator = torch.Generator().manual_seed(0)
-    total = CACHED + length
-    queries = torch.randn(2, HEADS, length, DIM, generator=generator).to(dtype)
-    keys = torch.randn(2, KV_HEADS, total, DIM, generator=generator).to(dtype)
-    values = torch.randn(2, KV_HEADS, total, DIM, generator=generator).to(dtype)
+    total = cached + length
+    queries = torch.randn(2, HEADS, length, dim, generator=generator).to(dtype)
+    keys = torch.randn(2, KV_HEADS, total, dim, generator=generator).to(dtype)
+    values = torch.randn(2, KV_HEADS, total, value_dim, generator=generator).to(dtype)
     slot_valid = torch.ones(2, total, dtype=torch.bool)
     observed = torch.ones(2, length, dtype=torch.bool)
     slot_valid[1, :4] = False  # sequence 1: 4 dead cached slots
     if length > 1:
-        slot_valid[1, CACHED : CACHED + 3] = False  # ... and 3 padding tokens at the start of this forward
+        slot_valid[1, cached : cached + 3] = False  # ... and 3 padding tokens at the start of this forward
         observed[1, :3] = False
     return queries, keys, values, slot_valid, observed
 
@@ -146,6 +146,30 @@ def test_native_kernel_on_bfloat16_inputs_scores_as_exactly_as_float32(monkeypat
     expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.25, reduce=reduce)
     real = observed[:, :, None, None].expand_as(output)
     assert scores.dtype == output.dtype == torch.float32
+    torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(output[real].double(), expected_output[real], rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dim, value_dim, row_block", [(64, 64, 64), (32, 48, 7)])
+def test_native_kernel_on_packed_bfloat16_products_matches_float64(threads, reduce, dim, value_dim, row_block):
+    """The bfloat16 prefill on oneDNN's products (keys and values copied once into the layout they multiply, key
+    blocks taken in chunks of 64 columns): 143 slots (not a multiple of the chunk, so the last chunk reads the
+    zero padding), the row blocks' diagonal blocks ending anywhere in a chunk, dead slots and padded rows. Same
+    tolerances as MKL's bfloat16 branch above: the scores are float32 products of bfloat16 operands."""
+    kernel = native.kernel()
+    assert kernel is not None
+    if not kernel.bfloat16_packed_products():
+        pytest.skip("oneDNN packs no bfloat16 products on this CPU: bfloat16 prefills take MKL's GEMM")
+    queries, keys, values, slot_valid, observed = _inputs(torch.bfloat16, length=110, cached=33, dim=dim,
+                                                          value_dim=value_dim)
+    key_bias = torch.zeros(slot_valid.shape).masked_fill_(~slot_valid, float("-inf"))
+    with torch_threads(threads):
+        scores, output = kernel.fused_attention(queries, keys, values, 0.25, key_bias, observed.float(),
+                                                reduce == "max", row_block, 64)
+    expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.25, reduce=reduce)
+    real = observed[:, :, None, None].expand_as(output)
     torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(output[real].double(), expected_output[real], rtol=0.02, atol=0.02)
 

@@ -8,7 +8,7 @@ observed queries and the query heads of each KV group, in float32: (B, H_kv, T).
 chunks also produce the attention output, so H2O and decode steps run attention once instead of twice.
 On CPU in float32 and bfloat16 that fused pass is the compiled kernel of ``native.py`` (flash-style blocks that
 stay in cache: in float32 as fast as sdpa's own kernel, where the torch chunks below run 1.2-1.4 x; in bfloat16
-1.6-1.9 x torch's AMX flash attention, benchmarks/attention_kernel.py); the torch chunks serve every other case
+0.85-1.15 x torch's AMX flash attention, benchmarks/attention_kernel.py); the torch chunks serve every other case
 (accelerators, soft-capping, no compiler; float16 goes through it in float32 copies) and are its test reference.
 
 What keeps this cheap (it runs inside every forward of every compressed layer):

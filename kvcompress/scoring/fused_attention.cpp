@@ -7,14 +7,14 @@
 // rows walks the keys in blocks small enough to stay in cache, as flash attention does (running max, rescaled
 // output); the exponentiated blocks are kept in a per-thread buffer, and once the rows' final maxima and sums
 // are known the column sums are one weighted pass over that buffer. A decode step (one query) takes a short
-// path: the query heads of a KV group share one pass over that head's keys and values.
+// path: one row of logits per query head, no blocks.
 //
 // Precision: logits, softmax, scores and the output's accumulation are float32 in both input types. With bfloat16
-// inputs the two products run on MKL's bfloat16 GEMM (float32 accumulation, AMX where present): QKᵀ of the
-// model's own bfloat16 queries and keys is then as exact as in float32, and the probabilities enter the PV
-// product rounded to bfloat16, as torch's own flash attention does. Float32 copies of bfloat16 inputs ran the
-// products at float32 speed: a 2k SmolLM2 reconstruction pass (KVzip) took 0.13 s a layer there against torch's
-// bfloat16 flash attention's 0.04 s.
+// inputs the two products multiply bfloat16 with float32 accumulation (a prefill on oneDNN's AMX micro-kernel
+// where the CPU has it, else and in decode steps MKL's bfloat16 GEMM): QKᵀ of the model's own bfloat16 queries
+// and keys is then as exact as in float32, and the probabilities enter the PV product rounded to bfloat16, as
+// torch's own flash attention does. Float32 copies of bfloat16 inputs ran the products at float32 speed: a 2k
+// SmolLM2 reconstruction pass (KVzip) took 0.13 s a layer there against torch's bfloat16 flash attention's 0.04 s.
 //
 // Layouts (last dimension contiguous): queries (B, H, L, d), keys (B, H_kv, T, d), values (B, H_kv, T, dv);
 // the last L slots are this forward's tokens, so row i sees slots [0, T - L + i]; `scale` multiplies the
@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <atomic>
@@ -68,14 +69,6 @@ void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha
                          static_cast<int>(ldc));
 }
 
-// The probabilities (rows x cols floats, ld `ld`) as the PV product takes them for inputs of type T: the floats
-// themselves, or their bfloat16 copy in `rounded` (same layout).
-const float* probabilities(const float* p, int64_t, int64_t, int64_t, float*) { return p; }
-const at::BFloat16* probabilities(const float* p, int64_t rows, int64_t cols, int64_t ld, at::BFloat16* rounded) {
-  for (int64_t i = 0; i < rows; ++i) at::vec::convert(p + i * ld, rounded + i * ld, cols);
-  return rounded;
-}
-
 // Tasks handed out one at a time to torch's intra-op threads: each thread claims the next unclaimed task when it
 // finishes one. With parallel_for's own static split every layer waited for its slowest thread, and a thread whose
 // core another process shares is slow: H2O prefill took 2.5-4 x the uncompressed time with one busy process beside
@@ -106,30 +99,73 @@ class SingleThreadedBlas {
   int previous_;
 };
 
-float row_max(const float* x, int64_t n) {
-  if (n == 0) return kNegInf;
-  return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
+// The larger of two vectors lane by lane, without NaN propagation (logits are finite or -inf): one instruction,
+// where at::vec::maximum's NaN check made a 4 x longer dependency chain through the row's maximum (perf).
+Vec larger(const Vec& a, const Vec& b) { return at::vec::clamp_min(a, b); }
+
+// x = x * scale + bias over n entries, in place (a scale of 1 and a null bias skip their step); returns the
+// maximum. One pass, four running maxima: the logits are read once before the exponentials.
+float logits_max(float* x, int64_t n, float scale, const float* bias) {
+  constexpr int64_t V = Vec::size();
+  const bool transform = scale != 1.0f || bias != nullptr;
+  const Vec vscale(scale);
+  auto logit = [&](int64_t j, int64_t count) {  // count < V: a partial vector, its other lanes -inf
+    Vec value = count == V ? Vec::loadu(x + j) : Vec::loadu(x + j, count);
+    if (transform) {
+      value = value * vscale;
+      if (bias != nullptr) value = value + (count == V ? Vec::loadu(bias + j) : Vec::loadu(bias + j, count));
+      value.store(x + j, count);
+    }
+    return count == V ? value : Vec::set(Vec(kNegInf), value, count);
+  };
+  Vec m0(kNegInf), m1(kNegInf), m2(kNegInf), m3(kNegInf);
+  int64_t j = 0;
+  for (; j + 4 * V <= n; j += 4 * V) {
+    m0 = larger(m0, logit(j, V));
+    m1 = larger(m1, logit(j + V, V));
+    m2 = larger(m2, logit(j + 2 * V, V));
+    m3 = larger(m3, logit(j + 3 * V, V));
+  }
+  for (; j < n; j += V) m0 = larger(m0, logit(j, std::min(V, n - j)));
+  const Vec m = larger(larger(m0, m1), larger(m2, m3));
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return larger(a, b); }, m);
 }
 
 // x = exp(x - shift) in place over n entries, zero over the following `zeros`; returns the sum. exp_u20 is the
 // exponential of torch's own flash kernel (relative error ~1e-6, well inside float32 attention's own error).
-float exp_shifted_sum(float* x, int64_t n, int64_t zeros, float shift) {
+// For bfloat16 inputs the same values go, rounded, to `rounded` in the same pass: the PV product's operand (as
+// in torch's flash attention); the floats stay for the column pass. A separate rounding pass cost 7 % of a 4k
+// prefill's kernel time (perf).
+template <typename T>
+float exp_shifted_sum(float* x, int64_t n, int64_t zeros, float shift, T* rounded) {
+  constexpr bool round = std::is_same_v<T, at::BFloat16>;
+  constexpr int64_t V = Vec::size();
   const Vec vshift(shift);
   Vec vsum(0.0f);
   int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    Vec e = (Vec::loadu(x + j) - vshift).exp_u20();
-    e.store(x + j);
-    vsum = vsum + e;
+  for (; j + 2 * V <= n; j += 2 * V) {
+    const Vec low = (Vec::loadu(x + j) - vshift).exp_u20();
+    const Vec high = (Vec::loadu(x + j + V) - vshift).exp_u20();
+    low.store(x + j);
+    high.store(x + j + V);
+    if constexpr (round) at::vec::convert_from_float<at::BFloat16>(low, high).store(rounded + j);
+    vsum = vsum + low + high;
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
-  for (; j < n; ++j) {
-    x[j] = std::exp(x[j] - shift);
-    sum += x[j];
+  for (; j < n; j += V) {  // a last vector, or part of one (its other lanes out of the sum)
+    const int64_t count = std::min(V, n - j);
+    const Vec e = (Vec::loadu(x + j, count) - vshift).exp_u20();
+    e.store(x + j, count);
+    if constexpr (round) at::vec::convert_from_float<at::BFloat16>(e, Vec(0.0f)).store(rounded + j, count);
+    vsum = vsum + (count == V ? e : Vec::set(Vec(0.0f), e, count));
   }
   std::fill(x + n, x + n + zeros, 0.0f);
-  return sum;
+  if constexpr (round) std::fill(rounded + n, rounded + n + zeros, at::BFloat16(0.0f));
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
 }
+
+// The PV product's operand: the float32 probabilities themselves, or their bfloat16 copy (exp_shifted_sum).
+const float* probability_operand(const float* p, const float*) { return p; }
+const at::BFloat16* probability_operand(const float*, const at::BFloat16* rounded) { return rounded; }
 
 // acc = reduce(acc, x * w) over n entries: the column pass's one difference between sums and maxima.
 void accumulate(float* acc, const float* x, float w, int64_t n, bool maximum) {
@@ -169,8 +205,113 @@ Operands<T> operands(const torch::Tensor& queries, const torch::Tensor& keys, co
   return o;
 }
 
+// Runs `work(queue)` on torch's threads (no more of them than tasks), each claiming tasks from one queue, its
+// products on its own thread.
+template <typename Work>
+void parallel_tasks(int64_t count, const Work& work) {
+  TaskQueue queue(count);
+  at::parallel_for(0, queue.workers(), 1, [&](int64_t, int64_t) {
+    SingleThreadedBlas blas;
+    work(queue);
+  });
+}
+
+// The two products of a multi-query pass on the operands as they are: sgemm, or MKL's bfloat16 GEMM. Each call
+// is a whole product (MKL repacks both operands every time), so the scale is applied inside it.
+template <typename T>
+struct DirectProducts {
+  const Operands<T>& o;
+  float alpha;
+  static constexpr float logit_scale = 1.0f;  // what the row pass still multiplies the logits by
+  static constexpr int64_t granularity = 1;    // keys a product takes at a time
+
+  // s (rows x cols, ld ld_s) = alpha * q (rows x d, ld qSM) . k[n0 : n0 + cols]ᵀ for sequence b, KV head kv
+  void logits(int64_t b, int64_t kv, const T* q, int64_t rows, int64_t n0, int64_t cols, float* s,
+              int64_t ld_s) const {
+    gemm('T', 'N', cols, rows, o.head_dim, alpha, o.k + b * o.kSB + kv * o.kSH + n0 * o.kSN, o.kSN, q, o.qSM, 0.0f,
+         s, ld_s);
+  }
+  // out (rows x dv, ld ld_out) (+)= p (rows x cols, ld ld_p) . v[n0 : n0 + cols]
+  void weighted_values(int64_t b, int64_t kv, const T* p, int64_t rows, int64_t n0, int64_t cols, int64_t ld_p,
+                       float* out, int64_t ld_out, bool add) const {
+    gemm('N', 'N', o.value_dim, rows, cols, 1.0f, o.v + b * o.vSB + kv * o.vSH + n0 * o.vSN, o.vSN, p, ld_p,
+         add ? 1.0f : 0.0f, out, ld_out);
+  }
+  void release() const {}
+};
+
+// The same products of bfloat16 operands on oneDNN's batch-reduce GEMM (AMX, through torch's cpublas), keys and
+// values copied once per call into the layout it multiplies (VNNI: pairs of reduced-dimension rows interleaved),
+// as torch's own flash attention does: MKL's bfloat16 GEMM repacked both operands of every block product, a
+// third of its time, and the products took 60 % of a 4k SmolLM2 prefill's kernel time against 35 % of sdpa's
+// (perf). kᵀ and v of a (sequence, KV head) are each one matrix, so a key block's product is one call; its
+// columns are taken in whole chunks, so that a few sizes cover every call (oneDNN compiles one kernel per size).
+struct PackedProducts {
+  static constexpr int64_t granularity = 64;  // keys a product takes at a time: columns past the last seen one are
+                                              // computed (logits) or multiplied by zero probabilities (values)
+  using BF16 = at::BFloat16;
+  const Operands<BF16>& o;
+  float logit_scale;  // the products have no scale: the row pass applies it
+  int64_t padded_total;
+  torch::Tensor vnni_keys, vnni_values;  // per (sequence, KV head): kᵀ (d x padded_total), v (padded_total x dv)
+
+  static bool applies(const Operands<BF16>& o, int64_t key_block) {
+    return at::native::cpublas::could_pack(at::kBFloat16) && o.head_dim % 2 == 0 && key_block % granularity == 0;
+  }
+
+  PackedProducts(const Operands<BF16>& o, float alpha, const torch::TensorOptions& options)
+      : o(o), logit_scale(alpha), padded_total((o.total + granularity - 1) / granularity * granularity) {
+    // zeros past the last key: the padded columns' logits stay finite and their values add nothing
+    vnni_keys = torch::zeros({o.batch, o.kv_heads, o.head_dim * padded_total}, options.dtype(at::kBFloat16));
+    vnni_values = torch::zeros({o.batch, o.kv_heads, padded_total * o.value_dim}, options.dtype(at::kBFloat16));
+    parallel_tasks(o.batch * o.kv_heads, [&](TaskQueue& queue) {
+      for (int64_t task; queue.claim(task);) {
+        const int64_t b = task / o.kv_heads, kv = task % o.kv_heads;
+        // kᵀ in VNNI: element (dimension c, key n) at (c / 2) * 2 * padded_total + 2 * n + c % 2: each key's
+        // pairs of dimensions, transposed
+        const BF16* k = o.k + b * o.kSB + kv * o.kSH;
+        BF16* kt = keys(b, kv);
+        for (int64_t n = 0; n < o.total; ++n) {
+          for (int64_t c = 0; c < o.head_dim; c += 2) {
+            BF16* pair = kt + c * padded_total + 2 * n;
+            pair[0] = k[n * o.kSN + c];
+            pair[1] = k[n * o.kSN + c + 1];
+          }
+        }
+        // v in VNNI: element (key n, column c) at (n / 2) * 2 * dv + 2 * c + n % 2
+        const BF16* v = o.v + b * o.vSB + kv * o.vSH;
+        BF16* vv = values(b, kv);
+        for (int64_t n = 0; n < o.total; ++n) {
+          BF16* pairs = vv + (n / 2) * 2 * o.value_dim + n % 2;
+          for (int64_t c = 0; c < o.value_dim; ++c) pairs[2 * c] = v[n * o.vSN + c];
+        }
+      }
+    });
+  }
+
+  BF16* keys(int64_t b, int64_t kv) const {
+    return vnni_keys.data_ptr<BF16>() + (b * o.kv_heads + kv) * o.head_dim * padded_total;
+  }
+  BF16* values(int64_t b, int64_t kv) const {
+    return vnni_values.data_ptr<BF16>() + (b * o.kv_heads + kv) * padded_total * o.value_dim;
+  }
+  // s = q . k[n0 : n0 + cols]ᵀ, unscaled (cols: a multiple of the granularity)
+  void logits(int64_t b, int64_t kv, const BF16* q, int64_t rows, int64_t n0, int64_t cols, float* s,
+              int64_t ld_s) const {
+    at::native::cpublas::brgemm(rows, cols, o.head_dim, o.qSM, padded_total, ld_s, false, q, keys(b, kv) + 2 * n0, s);
+  }
+  // out (+)= p . v[n0 : n0 + cols]
+  void weighted_values(int64_t b, int64_t kv, const BF16* p, int64_t rows, int64_t n0, int64_t cols, int64_t ld_p,
+                       float* out, int64_t ld_out, bool add) const {
+    at::native::cpublas::brgemm(rows, o.value_dim, cols, ld_p, o.value_dim, ld_out, add, p,
+                                values(b, kv) + n0 * o.value_dim, out);
+  }
+  void release() const { at::native::cpublas::brgemm_release(); }  // the thread's AMX tile configuration
+};
+
 // A decode step (one query per sequence): per (sequence, KV head) the group's query heads are the rows of one
-// product with the keys, so keys and values are read once per group; a row of logits is small, so no blocks.
+// product with the keys (float32), so keys and values are read once per group; a row of logits is small, so no
+// blocks.
 template <typename T>
 std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool maximum,
                                         const torch::TensorOptions& options) {
@@ -178,9 +319,10 @@ std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool 
   torch::Tensor scores = torch::zeros({o.batch, o.kv_heads, o.total}, options);
   float* out_data = output.data_ptr<float>();
   float* scores_data = scores.data_ptr<float>();
-  TaskQueue queue(o.batch * o.kv_heads);
-  at::parallel_for(0, queue.workers(), 1, [&](int64_t, int64_t) {
-    SingleThreadedBlas blas;
+  // MKL's bfloat16 GEMM copies both operands unless one of them is a single row, which it takes as a GEMV, as
+  // sdpa's decode step does: the copies were 43 % of a 4k step (perf), so bfloat16 query heads go one by one
+  const int64_t heads_per_product = std::is_same_v<T, float> ? o.groups : 1;
+  parallel_tasks(o.batch * o.kv_heads, [&](TaskQueue& queue) {
     torch::Tensor logits_buffer = torch::empty({o.groups * o.total}, options);
     float* s = logits_buffer.data_ptr<float>();
     std::vector<T> rounded(std::is_same_v<T, float> ? 0 : o.groups * o.total);
@@ -190,16 +332,22 @@ std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool 
       const float observed = o.weight == nullptr ? 1.0f : o.weight[b];
       const float* bias = o.bias != nullptr && observed != 0.0f ? o.bias + b * o.total : nullptr;
       // s (groups x total) = alpha * q_group (groups x d, ld qSH) . kᵀ
-      gemm('T', 'N', o.total, o.groups, o.head_dim, alpha, o.k + b * o.kSB + kv * o.kSH, o.kSN,
-           o.q + b * o.qSB + h0 * o.qSH, o.qSH, 0.0f, s, o.total);
+      for (int64_t g = 0; g < o.groups; g += heads_per_product) {
+        gemm('T', 'N', o.total, heads_per_product, o.head_dim, alpha, o.k + b * o.kSB + kv * o.kSH, o.kSN,
+             o.q + b * o.qSB + (h0 + g) * o.qSH, o.qSH, 0.0f, s + g * o.total, o.total);
+      }
       for (int64_t g = 0; g < o.groups; ++g) {
         float* row = s + g * o.total;
-        if (bias != nullptr) at::vec::map2([](Vec x, Vec y) { return x + y; }, row, row, bias, o.total);
-        inverse[g] = 1.0f / exp_shifted_sum(row, o.total, 0, row_max(row, o.total));  // own slot is live: > 0
+        const float row_max = logits_max(row, o.total, 1.0f, bias);
+        T* rounded_row = rounded.empty() ? nullptr : rounded.data() + g * o.total;  // (bfloat16 inputs)
+        inverse[g] = 1.0f / exp_shifted_sum(row, o.total, 0, row_max, rounded_row);  // own slot is live: > 0
       }
       float* out = out_data + b * o.heads * o.value_dim + h0 * o.value_dim;
-      gemm('N', 'N', o.value_dim, o.groups, o.total, 1.0f, o.v + b * o.vSB + kv * o.vSH, o.vSN,
-           probabilities(s, o.groups, o.total, o.total, rounded.data()), o.total, 0.0f, out, o.value_dim);
+      for (int64_t g = 0; g < o.groups; g += heads_per_product) {
+        gemm('N', 'N', o.value_dim, heads_per_product, o.total, 1.0f, o.v + b * o.vSB + kv * o.vSH, o.vSN,
+             probability_operand(s, rounded.data()) + g * o.total, o.total, 0.0f, out + g * o.value_dim,
+             o.value_dim);
+      }
       float* sums = scores_data + (b * o.kv_heads + kv) * o.total;
       for (int64_t g = 0; g < o.groups; ++g) {
         const float r = inverse[g];
@@ -213,9 +361,9 @@ std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool 
 }
 
 // A prefill (or any multi-query forward): blocks of query rows of one head walk the keys in blocks (above).
-template <typename T>
-std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, float alpha, bool maximum, int64_t row_block,
-                                         int64_t key_block, const torch::TensorOptions& options) {
+template <typename T, typename Products>
+std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, const Products& products, bool maximum,
+                                         int64_t row_block, int64_t key_block, const torch::TensorOptions& options) {
   torch::Tensor output = torch::empty({o.batch, o.length, o.heads, o.value_dim}, options);
   float* out_data = output.data_ptr<float>();
   const int64_t oSB = o.length * o.heads * o.value_dim, oSM = o.heads * o.value_dim;
@@ -231,9 +379,7 @@ std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, float alpha, bool
     return std::clamp<int64_t>(base + m + 1 - n0, 0, cols);
   };
 
-  TaskQueue queue(o.batch * o.heads * row_blocks);
-  at::parallel_for(0, queue.workers(), 1, [&](int64_t, int64_t) {
-    SingleThreadedBlas blas;
+  parallel_tasks(o.batch * o.heads * row_blocks, [&](TaskQueue& queue) {
     // the row block's exponentiated logits, key block after key block, each block contiguous (rows x key_block);
     // a torch allocation, so that memory profiling sees it (tests/test_memory_scaling.py)
     torch::Tensor exps_buffer = torch::empty({row_block * key_block * key_blocks_max}, options);
@@ -248,8 +394,6 @@ std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, float alpha, bool
       const int64_t kv = h / o.groups, m0 = rb * row_block, rows = std::min(row_block, o.length - m0);
       const int64_t visible = base + m0 + rows;  // slots the block's last row sees
       const T* q = o.q + b * o.qSB + h * o.qSH + m0 * o.qSM;
-      const T* k = o.k + b * o.kSB + kv * o.kSH;
-      const T* v = o.v + b * o.vSB + kv * o.vSH;
       float* out = out_data + b * oSB + m0 * oSM + h * o.value_dim;
       const float* bias = o.bias != nullptr ? o.bias + b * o.total : nullptr;
       const float* weight = o.weight != nullptr ? o.weight + b * o.length + m0 : nullptr;
@@ -258,21 +402,22 @@ std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, float alpha, bool
 
       int64_t key_blocks = 0;
       for (int64_t n0 = 0; n0 < visible; n0 += key_block, ++key_blocks) {
-        const int64_t cols = std::min(key_block, visible - n0);
+        // the block's columns up to the last one the rows see, in whole chunks of the products' granularity
+        const int64_t cols = std::min(key_block, (visible - n0 + Products::granularity - 1) / Products::granularity *
+                                                     Products::granularity);
         float* s = exps + key_blocks * row_block * key_block;
-        // s (rows x cols, ld key_block) = alpha * q (rows x d, ld o.qSM) . k_blockᵀ (k_block: cols x d, ld o.kSN)
-        gemm('T', 'N', cols, rows, o.head_dim, alpha, k + n0 * o.kSN, o.kSN, q, o.qSM, 0.0f, s, key_block);
+        products.logits(b, kv, q, rows, n0, cols, s, key_block);
         for (int64_t i = 0; i < rows; ++i) {
           float* row = s + i * key_block;
           const int64_t seen = seen_from(m0 + i, n0, cols);
-          if (bias != nullptr && (weight == nullptr || weight[i] != 0.0f)) {
-            at::vec::map2([](Vec x, Vec y) { return x + y; }, row, row, bias + n0, seen);
-          }
+          const bool biased = bias != nullptr && (weight == nullptr || weight[i] != 0.0f);
           const float previous = running_max[i];
-          const float current = std::max(previous, row_max(row, seen));
+          const float current = std::max(previous, logits_max(row, seen, products.logit_scale,
+                                                              biased ? bias + n0 : nullptr));
           block_max[i * key_blocks_max + key_blocks] = current;
+          T* rounded_row = rounded.empty() ? nullptr : rounded.data() + i * key_block;  // (bfloat16 inputs)
           if (current == kNegInf) {  // nothing live so far in this row
-            std::fill(row, row + cols, 0.0f);
+            exp_shifted_sum(row, 0, cols, 0.0f, rounded_row);  // all zeros
             continue;
           }
           if (previous != current && n0 > 0) {  // rescale what was accumulated under the old maximum
@@ -281,11 +426,10 @@ std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, float alpha, bool
             at::vec::map([factor](Vec x) { return x * Vec(factor); }, out + i * oSM, out + i * oSM, o.value_dim);
           }
           running_max[i] = current;
-          running_sum[i] += exp_shifted_sum(row, seen, cols - seen, current);
+          running_sum[i] += exp_shifted_sum(row, seen, cols - seen, current, rounded_row);
         }
-        // out (rows x dv, ld oSM) (+)= s (rows x cols, ld key_block) . v_block (cols x dv, ld o.vSN)
-        gemm('N', 'N', o.value_dim, rows, cols, 1.0f, v + n0 * o.vSN, o.vSN,
-             probabilities(s, rows, cols, key_block, rounded.data()), key_block, n0 == 0 ? 0.0f : 1.0f, out, oSM);
+        products.weighted_values(b, kv, probability_operand(s, rounded.data()), rows, n0, cols,
+                                 key_block, out, oSM, n0 > 0);
       }
       float* sums = sums_thread + (b * o.kv_heads + kv) * o.total;
       for (int64_t i = 0; i < rows; ++i) {
@@ -305,6 +449,7 @@ std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, float alpha, bool
         }
       }
     }
+    products.release();
   });
   // weights are >= 0, so the zeros a thread's buffer starts from leave every maximum as it is
   auto columns = threads == 1 ? partial_sums[0] : maximum ? partial_sums.amax(0) : partial_sums.sum(0);
@@ -315,6 +460,9 @@ std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, float alpha, bool
 
 // Whether bfloat16 inputs can be multiplied as they are (the build's BLAS has MKL's bfloat16 GEMM).
 bool bfloat16_products() { return cblas_gemm_bf16bf16f32 != nullptr; }
+
+// Whether multi-query bfloat16 passes run on oneDNN's packed products (this CPU has them; else MKL's GEMM).
+bool bfloat16_packed_products() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
 std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor keys, torch::Tensor values,
                                            double scale, torch::Tensor key_bias, torch::Tensor row_weight,
@@ -328,9 +476,15 @@ std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor 
   TORCH_CHECK(type == at::kFloat || bfloat16_products(),
               "fused_attention: no bfloat16 GEMM in this build (pass float32 copies)");
   auto run = [&](auto element) {  // one decode step or a multi-query forward, for inputs of that element type
-    const auto o = operands<decltype(element)>(queries, keys, values, key_bias, row_weight);
-    return o.length == 1 ? single_query(o, alpha, maximum, options)
-                         : causal_blocks(o, alpha, maximum, row_block, key_block, options);
+    using T = decltype(element);
+    const auto o = operands<T>(queries, keys, values, key_bias, row_weight);
+    if (o.length == 1) return single_query(o, alpha, maximum, options);
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (PackedProducts::applies(o, key_block)) {
+        return causal_blocks(o, PackedProducts(o, alpha, options), maximum, row_block, key_block, options);
+      }
+    }
+    return causal_blocks(o, DirectProducts<T>{o, alpha}, maximum, row_block, key_block, options);
   };
   return type == at::kBFloat16 ? run(at::BFloat16()) : run(0.0f);
 }
@@ -347,4 +501,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_attention", &fused_attention, "Causal attention output and column sums (or maxima) of its weights");
   m.def("parallel_threads", &parallel_threads, "Threads the kernel's parallel loops run on");
   m.def("bfloat16_products", &bfloat16_products, "Whether bfloat16 inputs are multiplied without float32 copies");
+  m.def("bfloat16_packed_products", &bfloat16_packed_products, "Whether bfloat16 prefills use oneDNN's brgemm");
 }

@@ -16,9 +16,9 @@ Scores use the exact softmax of the reconstruction forward over every cached slo
 4 sinks + the chunk's own slots); the scores lie in [0, 1]. On CPU the reconstruction passes and decode steps run
 in the compiled kernel (``native.py``) in its maximum mode: output and scores in one pass, its work handed to
 threads as they come free. One SmolLM2 layer's pass over a 2k prefix in bfloat16 (benchmarks/attention_kernel.py,
-× one masked sdpa call, which gives no scores): 1.13 / 1.15 at 1 / 2 threads and 0.84 beside a busy process,
+× one masked sdpa call, which gives no scores): 0.66 / 0.68 at 1 / 2 threads and 0.49 beside a busy process,
 where torch's flash attention on the prefix and the pass's own block plus one float32 product for the scores
-(``prefix_max_attention``, the path without the kernel) takes 1.22 / 1.51 and 2.54.
+(``prefix_max_attention``, the path without the kernel) takes 1.24 / 1.47 and 2.45.
 
 Decoded tokens, and prompt tokens again, are then scored by the same rule as they are queried: each decode
 step's attention raises a slot's score to the maximum it has received (``combine = "max"``), so a decoded token
