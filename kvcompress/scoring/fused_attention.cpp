@@ -244,36 +244,39 @@ struct DirectProducts {
 // values copied once per call into the layout it multiplies (VNNI: pairs of reduced-dimension rows interleaved),
 // as torch's own flash attention does: MKL's bfloat16 GEMM repacked both operands of every block product, a
 // third of its time, and the products took 60 % of a 4k SmolLM2 prefill's kernel time against 35 % of sdpa's
-// (perf). kᵀ and v of a (sequence, KV head) are each one matrix, so a key block's product is one call; its
-// columns are taken in whole chunks, so that a few sizes cover every call (oneDNN compiles one kernel per size).
+// (perf). A key block's product is one call on a laid-out block of kᵀ (or rows of v), its columns taken in whole
+// chunks: oneDNN compiles one kernel per shape and leading dimension, so a few shapes, none of them depending on
+// the cache's length, cover every call.
 struct PackedProducts {
   static constexpr int64_t granularity = 64;  // keys a product takes at a time: columns past the last seen one are
                                               // computed (logits) or multiplied by zero probabilities (values)
   using BF16 = at::BFloat16;
   const Operands<BF16>& o;
   float logit_scale;  // the products have no scale: the row pass applies it
-  int64_t padded_total;
-  torch::Tensor vnni_keys, vnni_values;  // per (sequence, KV head): kᵀ (d x padded_total), v (padded_total x dv)
+  int64_t key_block, padded_total;  // padded_total: the slots rounded up to whole key blocks
+  // per (sequence, KV head): kᵀ key block after key block (d x key_block each), v (padded_total x dv)
+  torch::Tensor vnni_keys, vnni_values;
 
   static bool applies(const Operands<BF16>& o, int64_t key_block) {
     return at::native::cpublas::could_pack(at::kBFloat16) && o.head_dim % 2 == 0 && key_block % granularity == 0;
   }
 
-  PackedProducts(const Operands<BF16>& o, float alpha, const torch::TensorOptions& options)
-      : o(o), logit_scale(alpha), padded_total((o.total + granularity - 1) / granularity * granularity) {
+  PackedProducts(const Operands<BF16>& o, float alpha, int64_t key_block, const torch::TensorOptions& options)
+      : o(o), logit_scale(alpha), key_block(key_block),
+        padded_total((o.total + key_block - 1) / key_block * key_block) {
     // zeros past the last key: the padded columns' logits stay finite and their values add nothing
     vnni_keys = torch::zeros({o.batch, o.kv_heads, o.head_dim * padded_total}, options.dtype(at::kBFloat16));
     vnni_values = torch::zeros({o.batch, o.kv_heads, padded_total * o.value_dim}, options.dtype(at::kBFloat16));
     parallel_tasks(o.batch * o.kv_heads, [&](TaskQueue& queue) {
       for (int64_t task; queue.claim(task);) {
         const int64_t b = task / o.kv_heads, kv = task % o.kv_heads;
-        // kᵀ in VNNI: element (dimension c, key n) at (c / 2) * 2 * padded_total + 2 * n + c % 2: each key's
-        // pairs of dimensions, transposed
+        // kᵀ in VNNI, by key block: element (dimension c, key n) at (n / key_block) * d * key_block +
+        // (c / 2) * 2 * key_block + 2 * (n % key_block) + c % 2: each key's pairs of dimensions, transposed
         const BF16* k = o.k + b * o.kSB + kv * o.kSH;
         BF16* kt = keys(b, kv);
         for (int64_t n = 0; n < o.total; ++n) {
           for (int64_t c = 0; c < o.head_dim; c += 2) {
-            BF16* pair = kt + c * padded_total + 2 * n;
+            BF16* pair = kt + (n / key_block) * o.head_dim * key_block + c * key_block + 2 * (n % key_block);
             pair[0] = k[n * o.kSN + c];
             pair[1] = k[n * o.kSN + c + 1];
           }
@@ -295,10 +298,11 @@ struct PackedProducts {
   BF16* values(int64_t b, int64_t kv) const {
     return vnni_values.data_ptr<BF16>() + (b * o.kv_heads + kv) * padded_total * o.value_dim;
   }
-  // s = q . k[n0 : n0 + cols]ᵀ, unscaled (cols: a multiple of the granularity)
+  // s = q . k[n0 : n0 + cols]ᵀ, unscaled (n0: where a key block starts; cols: a multiple of the granularity)
   void logits(int64_t b, int64_t kv, const BF16* q, int64_t rows, int64_t n0, int64_t cols, float* s,
               int64_t ld_s) const {
-    at::native::cpublas::brgemm(rows, cols, o.head_dim, o.qSM, padded_total, ld_s, false, q, keys(b, kv) + 2 * n0, s);
+    at::native::cpublas::brgemm(rows, cols, o.head_dim, o.qSM, key_block, ld_s, false, q,
+                                keys(b, kv) + n0 * o.head_dim, s);
   }
   // out (+)= p . v[n0 : n0 + cols]
   void weighted_values(int64_t b, int64_t kv, const BF16* p, int64_t rows, int64_t n0, int64_t cols, int64_t ld_p,
@@ -481,7 +485,8 @@ std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor 
     if (o.length == 1) return single_query(o, alpha, maximum, options);
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (PackedProducts::applies(o, key_block)) {
-        return causal_blocks(o, PackedProducts(o, alpha, options), maximum, row_block, key_block, options);
+        return causal_blocks(o, PackedProducts(o, alpha, key_block, options), maximum, row_block, key_block,
+                             options);
       }
     }
     return causal_blocks(o, DirectProducts<T>{o, alpha}, maximum, row_block, key_block, options);
