@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_models import torch_threads
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor, models
 from kvcompress.cache import kv_cache_length
 
@@ -178,9 +179,8 @@ def test_a_chat_resumes_a_compressed_cache_and_finds_the_first_turns_passkey(def
         return sample.is_correct(text), answer.past_key_values
 
     correct = {"full": 0, "kvzip": 0}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(threads, min(2, os.cpu_count() or 1)))  # the suite's longest test: both cores
-    try:
+    # the suite's longest test: both cores
+    with torch_threads(max(torch.get_num_threads(), min(2, os.cpu_count() or 1))):
         for depth in RETRIEVAL_DEPTHS:
             sample = make_chat_sample("passkey", 2000, depth, 3, tokenizer)
             correct["full"] += chat(sample)[0]
@@ -188,7 +188,5 @@ def test_a_chat_resumes_a_compressed_cache_and_finds_the_first_turns_passkey(def
                 found, cache = chat(sample)
             correct["kvzip"] += found
             assert kv_cache_length(cache) <= 0.2 * len(sample.first_turn_ids) + 40  # + turn 2 and decode slack
-    finally:
-        torch.set_num_threads(threads)
     assert correct["full"] >= 6, correct
     assert correct["kvzip"] >= correct["full"] - 1, correct

@@ -6,11 +6,10 @@ slots up to T - q + i), dead slots masked for real queries, softmax, weights @ v
 diagonal mask and the padding masks all run.
 """
 
-import contextlib
-
 import pytest
 import torch
 
+from tiny_models import torch_threads
 from kvcompress.scoring import attention, native
 
 HEADS, KV_HEADS, DIM, CACHED, NEW = 6, 2, 16, 13, 37
@@ -48,17 +47,6 @@ def _reference(queries, keys, values, slot_valid, observed, scaling, softcap=Non
     if reduce == "max":  # the most any observed row of any query head of the group gives the slot (KVzip)
         return observed_weights.amax((2, 3)), output
     return observed_weights.sum((2, 3)), output
-
-
-@contextlib.contextmanager
-def torch_threads(count: int):
-    """torch's intra-op thread count (which the kernel's workers follow) set for the block, then restored."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.fixture(params=["native", "torch"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import transformers
 
@@ -9,6 +11,18 @@ from kvcompress import KVCacheCompressionParameters
 from kvcompress.scoring.registry import scorer_class
 
 torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's intra-op thread count (which the fused kernel's workers follow) set for the block, then restored:
+    the suite runs at one thread (above), and a test that needs more hands them back however it ends."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 _COMMON = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
