@@ -378,9 +378,10 @@ std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, const Products& p
   const int64_t row_blocks = (o.length + row_block - 1) / row_block;
   const int64_t key_blocks_max = (o.total + key_block - 1) / key_block;
   const int64_t base = o.total - o.length;  // slot of the forward's first token
-  // how many of the `cols` slots from n0 on row m (of the forward) sees: causal, the same in both passes below
-  auto seen_from = [base](int64_t m, int64_t n0, int64_t cols) {
-    return std::clamp<int64_t>(base + m + 1 - n0, 0, cols);
+  // how many slots of the key block from n0 on row m (of the forward) sees: causal, the same in both passes below
+  // (never more than the columns its products computed: the block's last row sees them all)
+  auto seen_from = [base, key_block](int64_t m, int64_t n0) {
+    return std::clamp<int64_t>(base + m + 1 - n0, 0, key_block);
   };
 
   parallel_tasks(o.batch * o.heads * row_blocks, [&](TaskQueue& queue) {
@@ -413,7 +414,7 @@ std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, const Products& p
         products.logits(b, kv, q, rows, n0, cols, s, key_block);
         for (int64_t i = 0; i < rows; ++i) {
           float* row = s + i * key_block;
-          const int64_t seen = seen_from(m0 + i, n0, cols);
+          const int64_t seen = seen_from(m0 + i, n0);
           const bool biased = bias != nullptr && (weight == nullptr || weight[i] != 0.0f);
           const float previous = running_max[i];
           const float current = std::max(previous, logits_max(row, seen, products.logit_scale,
@@ -441,12 +442,12 @@ std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, const Products& p
         at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, out + i * oSM, out + i * oSM, o.value_dim);
       }
       for (int64_t kb = 0; kb < key_blocks; ++kb) {
-        const int64_t n0 = kb * key_block, cols = std::min(key_block, visible - n0);
+        const int64_t n0 = kb * key_block;
         for (int64_t i = 0; i < rows; ++i) {
           const float observed = weight == nullptr ? 1.0f : weight[i];
           const float seen_max = block_max[i * key_blocks_max + kb];
           if (observed == 0.0f || seen_max == kNegInf) continue;
-          const int64_t seen = seen_from(m0 + i, n0, cols);
+          const int64_t seen = seen_from(m0 + i, n0);
           const float w = observed * std::exp(seen_max - running_max[i]) / running_sum[i];
           const float* row = exps + (kb * row_block + i) * key_block;
           accumulate(sums + n0, row, w, seen, maximum);
