@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speed_memory import busy_processes  # noqa: E402
 
-from kvcompress.scoring import native  # noqa: E402
-from kvcompress.scoring.attention import observed_attention, prefix_max_attention  # noqa: E402
+from kvcompress.kernels import native  # noqa: E402
+from kvcompress.kernels.attention import observed_attention, prefix_max_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 RECONSTRUCTION_QUERIES = 2060  # a 2,048-token chunk and its request

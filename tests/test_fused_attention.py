@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiny_models import torch_threads
-from kvcompress.scoring import attention, native
+from kvcompress.kernels import attention, native
 
 HEADS, KV_HEADS, DIM, CACHED, NEW = 6, 2, 16, 13, 37
 

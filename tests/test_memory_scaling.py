@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tiny_models import TinyTokenizer, random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
-from kvcompress.scoring import attention
+from kvcompress.kernels import attention
 
 SHORT, LONG = 512, 2048  # the prompt grows ×4: linear buffers grow ≤ ×4, a length² buffer ×16
 LINEAR_GROWTH_LIMIT = 6.0

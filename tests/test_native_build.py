@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kvcompress.scoring import attention, native
+from kvcompress.kernels import attention, native
 
 
 def test_kernel_builds_here_and_can_be_turned_off(monkeypatch):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcompress.scoring.value_norm import projected_value_l1
+from kvcompress.kernels.value_norm import projected_value_l1
 
 
 def slow_reference(values: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:

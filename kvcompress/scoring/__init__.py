@@ -1,1 +1,1 @@
-"""Importance scores: observed attention (H2O, SnapKV), their aggregation, and value norms (CriticalKV)."""
+"""Scoring methods: one module per method behind a registry (``registry.py``), on the kernels of ``kvcompress.kernels``."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..state import by_head
-from .attention import observed_attention
+from ..kernels.attention import observed_attention
 from .base import AttentionCall, Scorer
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import observed_attention
+from ..kernels.attention import observed_attention
 from .base import AttentionCall, Scorer
 
 

@@ -41,7 +41,7 @@ def criticalkv_select(
 
     Args:
         scores: ``(B, U)`` eviction scores (aggregated sum or norm_sum).
-        value_norms: ``(B, U)`` mean over heads of ``‖v·W_o‖₁`` (see ``kvcompress.scoring.value_norm``).
+        value_norms: ``(B, U)`` mean over heads of ``‖v·W_o‖₁`` (see ``kvcompress.kernels.value_norm``).
         candidates: ``(B, U)`` bool, the units this step may choose from.
         num_select: ``(B,)`` int64, at most the number of candidates of the row.
         first_stage_ratio: share of ``k`` chosen by score alone, in ``[0, 1]``.

@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from kvcompress.scoring import native
+from kvcompress.kernels import native
 
 # Query rows per chunk (see the module docstring), and the bound on float32 logits held at once as a multiple of
 # the forward's hidden states (B · q · H · d elements); MIN/MAX keep chunks sensible for tiny models and huge
