@@ -121,7 +121,8 @@ class CompressionSession:
         self.scorer = parameters.scorer(parameters)
         self._prompt_budget, self._prompt_parameters = prompt_budget, prompt_parameters
         # each compressed layer's scored area per sequence, where it is not the parameters' (set per sequence)
-        self._sequence_units: dict[int, torch.Tensor] = {}
+        # and its smallest value, read from the device once per sequence
+        self._sequence_units: dict[int, tuple[torch.Tensor, int]] = {}
         self.layout: ModelLayout | None = None
         self.cache: DynamicCache | None = None  # the cache of the latest forward (its layers own their state)
         self.evictions = 0  # forwards of the cache's sequence that evicted
@@ -321,12 +322,12 @@ class CompressionSession:
         kwargs["position_ids"] = positions
         self._forward_layout = None
         compact = None  # layers of different layouts: the session's attention function masks each (_layer_layout)
-        shared = _shared_layout(states, batch, device)
+        shared = _shared_layout(states, new_valid)
         if shared is not None:  # one 2-D mask in the physical layout serves every layer
-            layout = torch.cat([shared, new_valid], dim=-1)
-            self._forward_layout = layout, bool(layout.all())
+            self._forward_layout = shared
+            layout = shared[0]
             # transformers reads the mask at kv_offset + slot (CompressedLayer.get_mask_sizes): pad it on the left
-            padding = torch.ones(batch, seen - shared.shape[-1], dtype=torch.bool, device=device)
+            padding = torch.ones(batch, seen + length - layout.shape[-1], dtype=torch.bool, device=device)
             compact = torch.cat([padding, layout], dim=-1).to(mask.dtype if mask is not None else torch.long)
         if self._forward_layout is not None and self._forward_layout[1]:
             kwargs["attention_mask"] = None
@@ -420,17 +421,19 @@ class CompressionSession:
             [max(0, self._prompt_budget(n) - windows) // params.unit_size for n in lengths], device=prompt_valid.device
         )
 
-    def _initial_units(self, base: torch.Tensor | None, batch: int, device: torch.device) -> dict[int, torch.Tensor]:
+    def _initial_units(self, base: torch.Tensor | None, batch: int,
+                       device: torch.device) -> dict[int, tuple[torch.Tensor, int]]:
         """Each compressed layer's scored area per sequence when a sequence starts, where it is not the
-        parameters' uniform one: a fractional budget's per-sequence areas ``base`` (B,), PyramidKV's per-layer
-        schedule."""
+        parameters' uniform one (a fractional budget's per-sequence areas ``base`` (B,), PyramidKV's per-layer
+        schedule), with its smallest value."""
         params, layers = self.parameters, self.compressed_layers
         if params.budget_allocation != "pyramid":
-            return {} if base is None else dict.fromkeys(layers, base)
+            return {} if base is None else dict.fromkeys(layers, (base, int(base.min())))
         if base is None:
             base = torch.full((batch,), self._uniform_units(), dtype=torch.long, device=device)
         shares = pyramid_scored_units(base, len(layers), params.pyramid_beta)
-        return {index: shares[number] for number, index in enumerate(layers)}
+        fewest = shares.min(-1).values.tolist()
+        return {index: (shares[number], fewest[number]) for number, index in enumerate(layers)}
 
     @staticmethod
     def _new_token_validity(mask, batch: int, length: int, seen: int, device) -> torch.Tensor:
@@ -509,7 +512,8 @@ class CompressionSession:
         if state.folded_heads:  # one slot per head and token (ragged.fold_new_tokens)
             new_valid = per_new_slot(new_valid, state.folded_heads)
         layout = torch.cat([state.slot_valid, new_valid], dim=-1)
-        return layout, bool(layout.all())
+        # asking an accelerator whether all are live would wait for it in every layer: assume not (masks are safe)
+        return layout, layout.device.type == "cpu" and bool(layout.all())
 
     def _observe(self, total: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The queries the scorer observes in this forward, and for accumulated attention their counts over
@@ -528,7 +532,8 @@ class CompressionSession:
             layer.state = LayerState.empty(keys.shape[0], keys.shape[1], keys.device,
                                            per_head=self.parameters.head_selection == "per_head")
             if index in self._sequence_units:
-                layer.state.scored_units = self._sequence_units[index].clone()
+                units, fewest = self._sequence_units[index]
+                layer.state.set_scored_units(units.clone(), fewest)
         return layer.state
 
     def _record(self, module: nn.Module, layer: CompressedLayer, head_scores: torch.Tensor | None) -> None:
@@ -599,9 +604,8 @@ class CompressionSession:
     def _smallest_budget(self, state: LayerState) -> float:
         """The fewest slots any sequence of the layer keeps; without a scored area of its own (the common case)
         the parameters' budget, with no tensor work: this runs in every layer of every decode step."""
-        if state.scored_units is None:
-            return self._budget(self._uniform_units())
-        return float(self._layer_budget(state).min())
+        fewest = state.fewest_scored_units()
+        return self._budget(self._uniform_units() if fewest is None else fewest)
 
     def _evict(self, layers: list[tuple[nn.Module, CompressedLayer]], slack: float, allocate: bool = False) -> None:
         """Compact ``layers`` (module, cache layer) with one selection for all of them.
@@ -671,16 +675,22 @@ class CompressionSession:
         self.timings["compaction"] += time.perf_counter() - started
 
 
-def _shared_layout(states: list[LayerState | None], batch: int, device: torch.device) -> torch.Tensor | None:
-    """(B, T) the slot layout every compressed layer holds, or None when their layouts differ."""
+def _shared_layout(states: list[LayerState | None], new_valid: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """The layout (B, T + q) every compressed layer has in this forward (its cached slots, then the new tokens)
+    and whether it is all live, or None when the layers' layouts differ. One read from the device for all layers
+    (on an accelerator each read waits for the work queued before it)."""
     if all(state is None for state in states):
-        return torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        return new_valid, bool(new_valid.all())
     if any(state is None or state.folded_heads for state in states):
         return None
     first = states[0].slot_valid
-    if all(state.length == first.shape[-1] and torch.equal(state.slot_valid, first) for state in states[1:]):
-        return first
-    return None
+    if any(state.length != first.shape[-1] for state in states[1:]):
+        return None
+    layout = torch.cat([first, new_valid], dim=-1)
+    others = [state.slot_valid for state in states[1:]]
+    same = torch.stack(others).eq(first).all() if others else layout.new_ones(())
+    same, live = torch.stack([same, layout.all()]).tolist()
+    return (layout, live) if same else None
 
 
 def _positions_from_mask(mask: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,16 @@ answer) append H_kv slots each, token-major, one per head.
 Attention over a folded layer is the session's own (``folded_attention``): the queries of KV head h's group see
 the live slots of head h, causally. It is a multi-query attention over all N slots with a head mask, so it does
 H_kv times the multiply-adds of a per-head varlen kernel (the AdaKV repository's CUDA path), with no padding and
-no copy of the cache; this is the layout's cost per decode step.
+no copy of the cache; this is the layout's cost per decode step. On CPU it is torch's sdpa with a mask; on
+accelerators the eager formula, whose products spread over the device (sdpa gives one (batch, head) pair of a
+few rows to a single block).
 """
 
 from __future__ import annotations
 
 import torch
+
+LOGIT_ELEMENTS = 1 << 25  # the most logits a folded layer's eager attention holds at once (a chunk of rows)
 
 
 def fold_new_tokens(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,14 +77,32 @@ def folded_attention(
         allowed = allowed & causal.repeat(group, 1)
         allowed = allowed | ~allowed.any(-1, keepdim=True)
     # every query row of every head against the one row of slots, as a single-head attention of H·q rows: no
-    # copy of the slots per head, and torch's own kernels (a batched matmul would JIT a new oneDNN kernel for
-    # each decode step's new length)
+    # copy of the slots per head
     mask = allowed.expand(batch, kv_heads, group * length, -1).reshape(batch, 1, query_heads * length, -1)
     rows = query.reshape(batch, 1, query_heads * length, dim)
-    if softcap:  # not in sdpa: transformers' eager formula
-        weights = torch.matmul(rows, keys.transpose(-1, -2)) * scaling
-        weights = (softcap * torch.tanh(weights / softcap)).masked_fill(~mask, -torch.inf)
-        output = torch.matmul(weights.softmax(-1, dtype=torch.float32).to(values.dtype), values)
-    else:
+    if _sdpa_serves(keys, softcap):
         output = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling)
+    else:
+        output = _eager_attention(rows, keys, values, mask, scaling, softcap)
     return output.view(batch, query_heads, length, dim).transpose(1, 2).contiguous()
+
+
+def _sdpa_serves(keys: torch.Tensor, softcap: float | None) -> bool:
+    """sdpa on CPU (a batched matmul would JIT a new oneDNN kernel for each decode step's new length), unless
+    soft-capped; the eager formula elsewhere (``_eager_attention``)."""
+    return keys.device.type == "cpu" and not softcap
+
+
+def _eager_attention(rows, keys, values, mask, scaling: float, softcap: float | None) -> torch.Tensor:
+    """transformers' eager formula (soft-capping included), in chunks of rows that hold at most
+    ``LOGIT_ELEMENTS`` logits. On accelerators its products spread over the slots, where a fused attention
+    kernel given one (batch, head) pair of a few rows runs on a single block of the device."""
+    step = max(1, LOGIT_ELEMENTS // (rows.shape[0] * keys.shape[-2]))
+    chunks = []
+    for start in range(0, rows.shape[2], step):
+        weights = torch.matmul(rows[:, :, start : start + step], keys.transpose(-1, -2)) * scaling
+        if softcap:
+            weights = softcap * torch.tanh(weights / softcap)
+        weights = weights.masked_fill(~mask[:, :, start : start + step], -torch.inf)
+        chunks.append(torch.matmul(weights.softmax(-1, dtype=torch.float32).to(values.dtype), values))
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)

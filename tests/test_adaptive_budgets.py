@@ -279,12 +279,19 @@ def test_the_runners_full_cache_bytes_of_a_folded_cache_are_the_uncompressed_cac
     assert held * PROMPT == full * _adaptive().max_cache_size
 
 
+@pytest.mark.parametrize("path", ["sdpa", "eager in chunks"])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("length", [1, 3])
-def test_folded_attention_equals_a_per_head_loop(length, softcap):
+def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, path):
     """The folded attention against plain per-head softmax attention over each head's live slots (soft-capped as
-    Gemma 2 does where asked), on random slots: two sequences, three KV heads of two query heads each."""
+    Gemma 2 does where asked), on random slots: two sequences, three KV heads of two query heads each. Both
+    paths: sdpa (CPU) and the eager formula (soft-capping, accelerators), there in chunks of one row."""
+    from kvcompress import ragged
     from kvcompress.ragged import folded_attention
+
+    if path != "sdpa":
+        monkeypatch.setattr(ragged, "_sdpa_serves", lambda keys, softcap: False)
+        monkeypatch.setattr(ragged, "LOGIT_ELEMENTS", 1)
 
     torch.manual_seed(0)
     batch, kv_heads, group, dim, cached = 2, 3, 2, 8, 11

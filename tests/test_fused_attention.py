@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiny_models import torch_threads
-from kvcompress.kernels import attention, native
+from kvcompress.kernels import attention, native, triton_attention
 
 HEADS, KV_HEADS, DIM, CACHED, NEW = 6, 2, 16, 13, 37
 
@@ -49,12 +49,16 @@ def _reference(queries, keys, values, slot_valid, observed, scaling, softcap=Non
     return observed_weights.sum((2, 3)), output
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "torch", "triton"])
 def backend(request, monkeypatch):
-    """Both implementations of the fused pass: the compiled kernel (blocks forced down to a few rows and keys,
-    so that a row's first key block is all dead slots and later blocks raise its running maximum) and the torch
-    chunks (also forced small)."""
-    if request.param == "native":
+    """Every implementation of the fused pass: the compiled kernel (blocks forced down to a few rows and keys,
+    so that a row's first key block is all dead slots and later blocks raise its running maximum), the torch
+    chunks (also forced small) and the accelerators' Triton kernels, interpreted on CPU (blocks of 32 rows and 16
+    keys; decode steps and soft-capping take the torch chunks there too)."""
+    if request.param == "triton":
+        monkeypatch.setenv("KVCOMPRESS_NATIVE", "0")
+        monkeypatch.setattr(attention, "TRITON_ON_CPU", True)
+    elif request.param == "native":
         if native.kernel() is None:
             pytest.fail("the fused CPU kernel did not build on this machine (see the warning)")
         monkeypatch.setattr(native, "ROW_BLOCK", 5)
@@ -196,3 +200,34 @@ def test_reconstruction_pass_matches_its_definition(monkeypatch, dtype, toleranc
     assert output.dtype == dtype and scores.dtype == torch.float32 and output.shape == (2, NEW, HEADS, DIM)
     torch.testing.assert_close(scores.double(), expected_scores, rtol=score_tolerance, atol=1e-7)
     torch.testing.assert_close(output.double(), expected_output, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    "dtype, length, cached, dim, window, masks, reduce",
+    [(torch.float32, NEW, CACHED, 24, None, True, "sum"), (torch.float32, NEW, CACHED, 24, None, True, "max"),
+     (torch.bfloat16, NEW, CACHED, DIM, None, True, "max"), (torch.float32, NEW, 0, DIM, 5, True, "sum"),
+     (torch.float32, 1, 40, DIM, None, True, "max"), (torch.bfloat16, NEW, CACHED, DIM, None, False, "sum")],
+    ids=["float32-head24-sum", "float32-head24-max", "bfloat16-max", "no-prefix-window-sum", "decode-max",
+         "bfloat16-all-live-sum"],
+)
+def test_triton_kernels_match_float64(dtype, length, cached, dim, window, masks, reduce):
+    """The accelerators' two kernels (output with log-sum-exp, then the column statistic) on CPU tensors under
+    Triton's interpreter, against the float64 definition: a head size that is not a power of two (padded lanes),
+    a pass with no cached prefix whose observed rows are only a window (SnapKV-like), a decode step (one row
+    per query head: a block holds the whole KV group), bfloat16 with and without masks; lengths that end inside
+    blocks. Scores are float32 products of the inputs in every dtype (1e-5); bfloat16 outputs carry the rounding
+    of the probabilities and of the result."""
+    queries, keys, values, slot_valid, observed = _inputs(dtype, length=length, cached=cached, dim=dim,
+                                                          value_dim=dim)
+    if window is not None:
+        observed &= torch.arange(length) >= length - window
+    if not masks:
+        slot_valid, observed = torch.ones_like(slot_valid), torch.ones_like(observed)
+    scores, output = triton_attention.fused_attention(queries, keys, values, 0.3, slot_valid if masks else None,
+                                                      observed if masks else None, maximum=reduce == "max")
+    expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.3, reduce=reduce)
+    real = observed[:, :, None, None].expand_as(output)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.03
+    assert output.dtype == dtype and scores.dtype == torch.float32 and torch.isfinite(output).all()
+    torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(output[real].double(), expected_output[real], rtol=tolerance, atol=tolerance)

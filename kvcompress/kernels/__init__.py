@@ -2,5 +2,6 @@
 
 ``attention.py`` chooses the implementation per call and holds the torch implementation (any device, the
 reference of the others); ``native.py`` builds and loads the fused CPU kernel (``fused_attention.cpp``);
-``value_norm.py`` projects values through the output projection (CriticalKV).
+``triton_attention.py`` holds the accelerators' kernels (Triton); ``value_norm.py`` projects values through the
+output projection (CriticalKV).
 """

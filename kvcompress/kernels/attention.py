@@ -6,10 +6,13 @@ B·H·L² of them; this module computes only what a method observes: the last ``
 every query for H2O (in query chunks, so memory stays linear in the length). Scores are summed over the
 observed queries and the query heads of each KV group, in float32: (B, H_kv, T). Given the values, the same
 chunks also produce the attention output, so H2O and decode steps run attention once instead of twice.
-On CPU in float32 and bfloat16 that fused pass is the compiled kernel of ``native.py`` (flash-style blocks that
-stay in cache: in float32 as fast as sdpa's own kernel, where the torch chunks below run 1.2-1.4 x; in bfloat16
-0.85-1.15 x torch's AMX flash attention, benchmarks/attention_kernel.py); the torch chunks serve every other case
-(accelerators, soft-capping, no compiler; float16 goes through it in float32 copies) and are its test reference.
+Which implementation runs a fused pass (output and scores together):
+
+* CPU tensors in float32 and bfloat16: the compiled kernel of ``native.py`` (flash-style blocks that stay in the
+  core's cache; its speed against sdpa is measured by ``benchmarks/attention_kernel.py``);
+* accelerators, multi-token forwards: the Triton kernels of ``triton_attention.py`` (two launches per layer);
+* everything else (soft-capping, SnapKV's pooled window, a decode step on an accelerator, no compiler; float16
+  on CPU through float32 copies): the torch chunks below, which are also the test reference of the others.
 
 What keeps this cheap (it runs inside every forward of every compressed layer):
 
@@ -37,7 +40,7 @@ import math
 
 import torch
 
-from kvcompress.kernels import native
+from kvcompress.kernels import native, triton_attention
 
 # Query rows per chunk (see the module docstring), and the bound on float32 logits held at once as a multiple of
 # the forward's hidden states (B · q · H · d elements); MIN/MAX keep chunks sensible for tiny models and huge
@@ -48,6 +51,7 @@ MIN_CHUNK_ELEMENTS = 1 << 16
 MAX_CHUNK_ELEMENTS = 1 << 25
 LOG2_E = 1.4426950408889634
 PREFIX_ROWS = 512  # query rows per product in prefix_max_attention (fewer when the prefix is long)
+TRITON_ON_CPU = False  # run the accelerator path on CPU tensors too (tests, under TRITON_INTERPRET=1)
 
 
 def chunk_elements(batch: int, length: int, hidden_size: int) -> int:
@@ -66,6 +70,7 @@ def observed_attention(
     values: torch.Tensor | None = None,
     all_live: bool | None = None,
     reduce: str = "sum",
+    first_row: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of the observed queries of this forward, reduced over them and the query heads of each
     KV group (``reduce="sum"``, the column sums; ``"max"``, the most any of them gives each slot), and the
@@ -78,7 +83,8 @@ def observed_attention(
     (padding) sees every slot, so its output stays finite. ``pool_kernel`` applies SnapKV's centred max-pool
     along the slots, per query head, before the head sum. The output is laid out as transformers' attention
     functions return it: (B, q, H, d). ``all_live`` (every slot live, hence every token real), when the caller
-    knows it, spares the per-layer checks.
+    knows it, spares the per-layer checks. ``first_row``: no query before it is observed (a bound the caller
+    knows, such as SnapKV's window), so that a pass without output starts there.
     """
     batch, heads, length, head_dim = queries.shape
     total, kv_heads = keys.shape[-2], keys.shape[1]
@@ -87,22 +93,20 @@ def observed_attention(
     if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
     maximum = reduce == "max"
-    if values is not None and not per_head and not softcap and native.supports(queries, keys, values):
-        kernel = native.kernel()
-        if kernel is not None:
-            return _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live, maximum)
+    if values is not None and not per_head and not softcap:
+        if native.supports(queries, keys, values):
+            kernel = native.kernel()
+            if kernel is not None:
+                return _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live, maximum)
+        if length > 1 and triton_serves(queries, keys, values):
+            return _triton_fused(queries, keys, values, slot_valid, observed, scaling, all_live, maximum)
     if length == 1 and not per_head:
         return _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live, maximum)
 
     summed = torch.zeros(batch, kv_heads, groups if per_head else 1, total, device=keys.device)
     output = None
-    if values is None:
-        rows = observed.any(0).nonzero().flatten()
-        if rows.numel() == 0:
-            return summed.sum(2), None
-        first = int(rows[0])
-    else:  # every row's output is needed
-        first = 0
+    first = first_row if values is None else 0  # every row's output is needed
+    if values is not None:
         output = values.new_empty(batch, length, kv_heads, groups, head_dim)
     base = total - length  # slot of the forward's first token
     # float32 values, once: multiplying the float32 probabilities by them beats rounding every chunk to bf16
@@ -178,6 +182,8 @@ def _irregular(slot_valid: torch.Tensor, observed: torch.Tensor, all_live: bool 
     """Whether some slot is dead (padding) and whether some of the given rows are unobserved."""
     if all_live:  # every token is real, and every row is observed
         return False, False
+    if slot_valid.device.type != "cpu":  # asking an accelerator would wait for it; the masks are always correct
+        return True, True
     return not bool(slot_valid.all()), not bool(observed.all())
 
 
@@ -197,6 +203,22 @@ def _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, 
         queries, keys, values, scaling, key_bias, row_weight, maximum, native.ROW_BLOCK, native.KEY_BLOCK
     )
     return summed, output.to(dtype)
+
+
+def triton_serves(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """The Triton kernels take a multi-token fused pass on accelerators (on CPU only when ``TRITON_ON_CPU`` is
+    set, under Triton's interpreter: the tests' way to run the accelerator path); a decode step keeps the torch
+    path, a handful of kernels with no host-device synchronisation."""
+    if keys.device.type == "cpu" and not TRITON_ON_CPU:
+        return False
+    return triton_attention.supports(queries, keys, values)
+
+
+def _triton_fused(queries, keys, values, slot_valid, observed, scaling, all_live, maximum):
+    """Output and column sums (or maxima) from the Triton kernels; the masks are handed over unless every slot
+    is known live (asking the device whether they are would synchronise)."""
+    masks = (None, None) if all_live else (slot_valid, observed)
+    return triton_attention.fused_attention(queries, keys, values, scaling, *masks, maximum=maximum)
 
 
 def _chunk_rows(budget_per_head: int, preceding: int) -> int:

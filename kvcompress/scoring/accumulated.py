@@ -29,6 +29,7 @@ class AccumulatedAttention(Scorer):
         return observed_attention(
             call.queries, call.keys, call.slot_valid, call.observed, call.scaling, softcap=call.softcap,
             pool_kernel=pool, values=call.values if fuse else None, all_live=call.all_live,
+            first_row=self.first_observed(call.length),
         )
 
     def eviction_scores(self, state, keys, values, slot_valid) -> torch.Tensor:

@@ -98,6 +98,11 @@ class Scorer:
         """Which queries of a forward (B, q) this method observes; None: it reads no query (the default)."""
         return None
 
+    def first_observed(self, length: int) -> int:
+        """A forward index no observed query precedes, known without reading ``observed_queries``' tensor (which
+        would wait for an accelerator): the scoring pass starts there when it computes no output."""
+        return 0
+
     def attend(self, call: AttentionCall, state: "LayerState") -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This forward's scores over all T slots (B, H_kv, T) float32, or None, and the attention output
         (B, q, H, d) if it was computed here (else the model's own attention function runs)."""

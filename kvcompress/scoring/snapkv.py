@@ -20,5 +20,8 @@ class SnapKV(AccumulatedAttention):
             return new_valid
         return new_valid & (torch.arange(length, device=new_valid.device) >= length - window)
 
+    def first_observed(self, length: int) -> int:
+        return max(0, length - self.parameters.window_size)
+
     def pool_kernel(self, call: AttentionCall) -> int | None:
         return self.parameters.snapkv_kernel_size if call.length > 1 else None

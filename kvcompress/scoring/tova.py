@@ -23,10 +23,14 @@ class TOVA(Scorer):
         last = new_valid.long().cumsum(-1).argmax(-1, keepdim=True)  # first index holding the final count
         return torch.zeros_like(new_valid).scatter_(-1, last, True) & new_valid
 
+    def first_observed(self, length: int) -> int:
+        return length - 1  # left padding: the last position is always a real token
+
     def attend(self, call: AttentionCall, state) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         summed, output = observed_attention(
             call.queries, call.keys, call.slot_valid, call.observed, call.scaling, softcap=call.softcap,
             values=call.values if call.may_fuse and call.length == 1 else None, all_live=call.all_live,
+            first_row=self.first_observed(call.length),
         )
         head_mean = summed.sum(1, keepdim=True) / call.queries.shape[1]
         return head_mean.expand_as(summed).contiguous(), output

@@ -1,0 +1,263 @@
+"""The scoring pass on GPUs: attention output and a per-key statistic in two Triton kernels per layer.
+
+A scorer that observes attention (H2O's column sums, KVzip's column maxima) needs every query's softmax weight of
+every key, which flash-style kernels never hold: a weight is only final once its row's normaliser is. So the pass
+runs twice over the keys, as FlashAttention's backward does:
+
+1. ``_forward``: one program per block of query rows, the keys in blocks, online softmax; writes the output and
+   each row's log-sum-exp. Memory: the output and one float per row.
+2. ``_column_statistics``: one program per block of keys, the query rows in blocks; recomputes the logits,
+   turns them into final weights with the row's log-sum-exp and reduces them over the rows (sum, or maximum)
+   without storing any. Memory: one float per key.
+
+Neither holds more than a block of logits, so memory stays linear in the length, and a layer costs two launches
+whatever its length (the torch implementation of ``attention.py`` runs a chain of kernels per chunk of rows).
+
+Rows are packed by KV head (grouped-query attention): a program's rows are (token, query head) pairs of one KV
+head, token-major, so the keys and values of a block are read once for the whole group and a decode step's
+query heads fill one block. A row at forward index i sees the slots up to ``T - q + i`` (the forward's tokens
+are the cache's last q slots); an observed row never sees a dead slot (padding), an unobserved one sees every
+slot (finite output, never read) and adds nothing to the statistic.
+
+The kernels run on any device Triton compiles for, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests
+check them against a float64 reference without a GPU). Logits use base 2 (``exp2``), with log2 e folded into the
+softmax scale; products accumulate in float32, and float32 inputs multiply in full float32 (no TF32), so a
+float32 model keeps the tokens of its uncompressed run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch implementation serves without Triton
+    triton = tl = None
+
+LOG2_E = 1.4426950408889634
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def available() -> bool:
+    """Whether Triton is installed (the kernels then serve GPU tensors, and CPU tensors when interpreted)."""
+    return triton is not None
+
+
+def interpreted() -> bool:
+    """Triton's interpreter runs the kernels on CPU tensors (``TRITON_INTERPRET=1`` before Triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def supports(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None) -> bool:
+    """The kernels take half and single precision, head sizes up to 256 (keys and values alike), on a device
+    Triton compiles for (CUDA, ROCm, XPU), or on CPU tensors when interpreted."""
+    tensors = (queries, keys) if values is None else (queries, keys, values)
+    if not available() or any(t.dtype not in _DTYPES for t in tensors):
+        return False
+    if values is not None and values.shape[-1] != keys.shape[-1]:
+        return False
+    on_device = all(t.device.type in ("cuda", "xpu") for t in tensors)
+    on_cpu = interpreted() and all(t.device.type == "cpu" for t in tensors)
+    return (on_device or on_cpu) and queries.shape[-1] <= 256
+
+
+def _block_sizes(head_dim: int) -> dict[str, int]:
+    """Rows and keys per program: large blocks for the tensor cores, smaller ones for wide heads (shared memory);
+    small ones under the interpreter, so that the tests' short sequences cross several blocks."""
+    if interpreted():
+        return dict(forward_rows=32, forward_keys=16, column_keys=16, column_rows=32, warps=4, stages=1)
+    if head_dim <= 64:
+        return dict(forward_rows=128, forward_keys=64, column_keys=128, column_rows=64, warps=4, stages=3)
+    if head_dim <= 128:
+        return dict(forward_rows=128, forward_keys=64, column_keys=64, column_rows=64, warps=8, stages=3)
+    return dict(forward_rows=64, forward_keys=32, column_keys=32, column_rows=64, warps=8, stages=2)
+
+
+def fused_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    scaling: float,
+    slot_valid: torch.Tensor | None = None,
+    observed: torch.Tensor | None = None,
+    maximum: bool = False,
+    row_block: int | None = None,
+    key_block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scores (B, H_kv, T) float32 and, given ``values``, the attention output (B, q, H, d) in the queries' dtype.
+
+    ``queries`` (B, H, q, d) post-RoPE, ``keys`` / ``values`` (B, H_kv, T, d) the cache after this forward's
+    update; ``slot_valid`` (B, T) bool marks live slots and ``observed`` (B, q) bool the rows whose weights count
+    (None: all). A score is the sum over the observed rows and the query heads of the slot's KV group of the
+    softmax weights (``maximum``: their largest). ``row_block`` / ``key_block`` override the block sizes (tests).
+    """
+    batch, heads, length, head_dim = queries.shape
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    groups = heads // kv_heads
+    sizes = _block_sizes(head_dim)
+    forward_rows, column_rows = (row_block,) * 2 if row_block else (sizes["forward_rows"], sizes["column_rows"])
+    forward_keys, column_keys = (key_block,) * 2 if key_block else (sizes["forward_keys"], sizes["column_keys"])
+    dim_block = max(16, triton.next_power_of_2(head_dim))
+    device = queries.device
+    queries, keys = _unit_stride(queries), _unit_stride(keys)
+    need_output = values is not None
+    values = _unit_stride(values) if need_output else keys
+    output = queries.new_empty(batch, length, heads, head_dim) if need_output else queries.new_empty(0)
+    lse = torch.empty(batch, heads, length, device=device, dtype=torch.float32)
+    scores = torch.empty(batch, kv_heads, total, device=device, dtype=torch.float32)
+    valid = (slot_valid.to(device=device, dtype=torch.int8).contiguous() if slot_valid is not None
+             else torch.empty(0, device=device, dtype=torch.int8))
+    rows_seen = (observed.to(device=device, dtype=torch.int8).contiguous() if observed is not None
+                 else torch.empty(0, device=device, dtype=torch.int8))
+    common = dict(
+        HAS_VALID=slot_valid is not None, HAS_OBSERVED=observed is not None, BLOCK_D=dim_block,
+        UPCAST=interpreted() or queries.dtype == torch.float32, num_warps=sizes["warps"],
+        num_stages=sizes["stages"],
+    )
+    rows = groups * length
+    _forward[(triton.cdiv(rows, forward_rows), batch * kv_heads)](
+        queries, keys, values, output, lse, valid, rows_seen,
+        *queries.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
+        *(output.stride()[:3] if need_output else (0, 0, 0)),
+        kv_heads, groups, length, total, head_dim, scaling * LOG2_E,
+        NEED_OUTPUT=need_output, BLOCK_M=forward_rows, BLOCK_N=forward_keys, **common,
+    )
+    _column_statistics[(triton.cdiv(total, column_keys), batch * kv_heads)](
+        queries, keys, lse, scores, valid, rows_seen,
+        *queries.stride()[:3], *keys.stride()[:3],
+        kv_heads, groups, length, total, head_dim, scaling * LOG2_E,
+        MAXIMUM=maximum, BLOCK_M=column_rows, BLOCK_N=column_keys, **common,
+    )
+    return scores, (output if need_output else None)
+
+
+def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """The kernels address rows and heads by stride, the head dimension contiguously."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, UPCAST: tl.constexpr):
+        """a @ b with float32 accumulation. UPCAST: in float32 precision (float32 inputs: no TF32; under the
+        interpreter, whose half-precision products are not reliable, exact products of the half inputs)."""
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _load_rows(Q, q_batch, stride_qh, stride_qm, kv_head, groups, length, row, dims, head_dim):
+        """The queries of packed rows ``row`` (token-major: row = token · groups + head in group) (M, D)."""
+        token = row // groups
+        head = kv_head * groups + row % groups
+        pointers = Q + q_batch + head[:, None] * stride_qh + token[:, None] * stride_qm + dims[None, :]
+        return tl.load(pointers, mask=(token < length)[:, None] & (dims < head_dim)[None, :], other=0.0)
+
+    @triton.jit
+    def _forward(
+        Q, K, V, O, LSE, VALID, OBSERVED,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_om, stride_oh,
+        kv_heads, groups, length, total, head_dim, scale,
+        HAS_VALID: tl.constexpr, HAS_OBSERVED: tl.constexpr, NEED_OUTPUT: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        block, pair = tl.program_id(0), tl.program_id(1)
+        batch, kv_head = pair // kv_heads, pair % kv_heads
+        base = total - length
+        row = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        token = row // groups
+        real = token < length
+        dims = tl.arange(0, BLOCK_D)
+        q = _load_rows(Q, batch * stride_qb, stride_qh, stride_qm, kv_head, groups, length, row, dims, head_dim)
+        if HAS_OBSERVED:
+            observed = tl.load(OBSERVED + batch * length + token, mask=real, other=0) != 0
+        else:
+            observed = real
+        k_base = K + batch * stride_kb + kv_head * stride_kh
+        v_base = V + batch * stride_vb + kv_head * stride_vh
+        tokens_seen = (block * BLOCK_M + BLOCK_M - 1) // groups + 1
+        if tokens_seen > length:
+            tokens_seen = length
+        end = base + tokens_seen  # the block's last row sees no slot past this
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(0, end, BLOCK_N):
+            slot = start + tl.arange(0, BLOCK_N)
+            inside = slot < total
+            k = tl.load(k_base + slot[None, :] * stride_kn + dims[:, None],
+                        mask=inside[None, :] & (dims < head_dim)[:, None], other=0.0)
+            logits = _dot(q, k, UPCAST) * scale
+            allowed = inside[None, :] & (slot[None, :] <= base + token[:, None])
+            if HAS_VALID:
+                live = tl.load(VALID + batch * total + slot, mask=inside, other=0) != 0
+                allowed = allowed & (live[None, :] | ~observed[:, None])
+            logits = tl.where(allowed, logits, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(logits, 1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no live slot yet
+            p = tl.exp2(logits - shift[:, None])
+            alpha = tl.exp2(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if NEED_OUTPUT:
+                v = tl.load(v_base + slot[:, None] * stride_vn + dims[None, :],
+                            mask=inside[:, None] & (dims < head_dim)[None, :], other=0.0)
+                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+            m_i = m_new
+        head = kv_head * groups + row % groups
+        tl.store(LSE + (batch * kv_heads * groups + head) * length + token, m_i + tl.log2(l_i), mask=real)
+        if NEED_OUTPUT:
+            out = acc / l_i[:, None]
+            pointers = O + batch * stride_ob + token[:, None] * stride_om + head[:, None] * stride_oh + dims[None, :]
+            tl.store(pointers, out.to(O.dtype.element_ty), mask=real[:, None] & (dims < head_dim)[None, :])
+
+    @triton.jit
+    def _column_statistics(
+        Q, K, LSE, SCORES, VALID, OBSERVED,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        kv_heads, groups, length, total, head_dim, scale,
+        HAS_VALID: tl.constexpr, HAS_OBSERVED: tl.constexpr, MAXIMUM: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        block, pair = tl.program_id(0), tl.program_id(1)
+        batch, kv_head = pair // kv_heads, pair % kv_heads
+        base = total - length
+        slot = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = slot < total
+        dims = tl.arange(0, BLOCK_D)
+        k = tl.load(K + batch * stride_kb + kv_head * stride_kh + slot[None, :] * stride_kn + dims[:, None],
+                    mask=inside[None, :] & (dims < head_dim)[:, None], other=0.0)
+        counted = inside
+        if HAS_VALID:
+            counted = counted & (tl.load(VALID + batch * total + slot, mask=inside, other=0) != 0)
+        if MAXIMUM:
+            acc = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N], tl.float32)
+        rows = groups * length
+        first_token = block * BLOCK_N - base  # earlier rows see none of these slots
+        if first_token < 0:
+            first_token = 0
+        for start in range(first_token * groups // BLOCK_M * BLOCK_M, rows, BLOCK_M):
+            row = start + tl.arange(0, BLOCK_M)
+            token = row // groups
+            real = token < length
+            q = _load_rows(Q, batch * stride_qb, stride_qh, stride_qm, kv_head, groups, length, row, dims, head_dim)
+            head = kv_head * groups + row % groups
+            lse = tl.load(LSE + (batch * kv_heads * groups + head) * length + token, mask=real, other=0.0)
+            if HAS_OBSERVED:
+                real = real & (tl.load(OBSERVED + batch * length + token, mask=real, other=0) != 0)
+            logits = _dot(q, k, UPCAST) * scale - lse[:, None]
+            allowed = real[:, None] & counted[None, :] & (slot[None, :] <= base + token[:, None])
+            if MAXIMUM:
+                acc = tl.maximum(acc, tl.max(tl.where(allowed, logits, float("-inf")), 0))
+            else:
+                acc += tl.sum(tl.where(allowed, tl.exp2(logits), 0.0), 0)
+        if MAXIMUM:
+            acc = tl.exp2(acc)
+        tl.store(SCORES + pair * total + slot, acc, mask=inside)
+
