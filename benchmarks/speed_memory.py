@@ -42,16 +42,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
-import gc
 import json
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -61,7 +57,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    SHAPES, PeakMemory, budget_tokens, build_model, busy_processes, cpu_memory_method, fixed_malloc_thresholds,
+    gpu_description, median, ratio, release_memory, synchronize,
+)
 
 import kvcompress  # noqa: E402
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
@@ -83,74 +84,11 @@ TARGETS = {
     "prefill_snapkv": 1.05, "prefill_h2o": 1.15, "prefill_kvzip": 2.0, "peak_memory": 1.05, "peak_memory_kvzip": 1.10,
     "decode_evicted": 1.0, "decode_continuous": 0.95,
 }
-CHAT_TEMPLATE = (  # for the tiny models' tokenizer: a user turn, then the assistant's
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 
 # ---------------------------------------------------------------------------------------------------- models
-def tiny_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer with a chat template, trained here on kvcompress's demo report, with ids below
-    ``vocab_size``: what KVzip needs to write its reconstruction request for a random tiny model."""
-    from importlib.resources import files
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 512), special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    core.train_from_iterator([files("kvcompress").joinpath("data", "demo_report.txt").read_text(encoding="utf-8")],
-                             trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_model(name: str, device: str, dtype: torch.dtype):
-    """(model, tokenizer, vocabulary range to draw prompt tokens from, description)."""
-    import transformers
-
-    if name == "default":
-        from kvcompress.models import load_default_model
-
-        model, tokenizer = load_default_model(dtype=dtype, attn_implementation="sdpa")
-        return model.to(device), tokenizer, (100, model.config.vocab_size), "SmolLM2-135M-Instruct (kvcompress.models)"
-    common = dict(
-        vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=65536, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    if name == "tiny-llama":
-        config = transformers.LlamaConfig(**common)
-    elif name == "tiny-llama-512":  # the shape of the speed-under-load measurements (issue 17)
-        config = transformers.LlamaConfig(**{**common, "hidden_size": 512, "intermediate_size": 1376,
-                                             "num_hidden_layers": 6, "num_attention_heads": 8,
-                                             "num_key_value_heads": 8})
-    elif name == "tiny-qwen3":
-        config = transformers.Qwen3Config(**common, head_dim=16)
-    elif name == "llama-7b-shape":  # random weights, Llama-2-7B shapes: for a GPU run only
-        config = transformers.LlamaConfig(
-            vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-            num_key_value_heads=32, max_position_embeddings=65536, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        )
-    else:
-        raise SystemExit(f"unknown --model {name!r}")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    described = f"{name}: random weights, {config.num_hidden_layers} layers, hidden {config.hidden_size}, " \
-        f"{config.num_attention_heads} q / {config.num_key_value_heads} kv heads"
-    return model.eval(), tiny_tokenizer(config.vocab_size), (3, config.vocab_size), described
-
-
-def budget_tokens(budget: float, length: int, method: str) -> int:
-    tokens = int(round(budget * length)) if budget < 1 else int(budget)
-    if "per-group" in method:
-        tokens = tokens // GROUP_SIZE * GROUP_SIZE
-    return max(tokens, 1)
+def method_budget(budget: float, length: int, method: str) -> int:
+    return budget_tokens(budget, length, GROUP_SIZE if "per-group" in method else 1)
 
 
 def method_parameters(method: str, budget: int) -> KVCacheCompressionParameters | None:
@@ -159,102 +97,7 @@ def method_parameters(method: str, budget: int) -> KVCacheCompressionParameters 
     return preset(STREAMING_LLM if name == "streaming" else name, budget, **VARIANTS.get(variant, {}))
 
 
-# ---------------------------------------------------------------------------------------------------- memory
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-except OSError:  # not glibc: nothing to trim
-    _LIBC = None
-
-
-def release_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _reset_high_water_mark() -> bool:
-    """Linux >= 4.0: writing 5 to clear_refs resets the process's RSS high-water mark (VmHWM) to its RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _high_water_mark_bytes() -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no VmHWM in /proc/self/status")
-
-
-def cpu_memory_method() -> str:
-    return "hwm" if _reset_high_water_mark() else "sampled"
-
-
-class PeakMemory:
-    """Peak bytes above the level at entry.
-
-    CUDA: the allocator's statistics. CPU: the kernel's RSS high-water mark (VmHWM), reset at entry, so every
-    run of one process gets its own exact peak; where that is unavailable, a thread sampling the RSS.
-    """
-
-    def __init__(self, device: str, interval_s: float = 0.002):
-        self.device, self.interval_s = device, interval_s
-        self.peak = 0
-        self.base = 0
-        self._thread = None
-
-    def __enter__(self) -> "PeakMemory":
-        release_memory()
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-            return self
-        self.base = self.peak = _rss_bytes()
-        if not _reset_high_water_mark():
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, _rss_bytes())
-
-    def __exit__(self, *exc) -> None:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated()
-            return
-        if self._thread is None:
-            self.peak = _high_water_mark_bytes()
-            return
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
-
-    @property
-    def delta(self) -> int:
-        return self.peak - self.base
-
-
 # ---------------------------------------------------------------------------------------------------- one run
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def run_once(model, tokenizer, prompt: torch.Tensor, params, new_tokens: int, device: str, measure_memory=True,
              same_size=None) -> dict:
     """Prefill ``prompt`` then greedily decode ``new_tokens``, with or without compression.
@@ -329,19 +172,6 @@ def _decoder(model, prompt: torch.Tensor, device: str):
 
 
 # ---------------------------------------------------------------------------------------------------- memory probe
-def fixed_malloc_thresholds(threshold: int = 1 << 20) -> bool:
-    """glibc: fix the mmap and trim thresholds, so freed large blocks go back to the system at once.
-
-    By default glibc raises its mmap threshold after each large free (up to 32 MiB) and then keeps freed
-    blocks in its heap, so the RSS also counts fragmentation and varies by a few hundred MiB between identical
-    runs. With fixed thresholds the RSS follows the live tensors; it makes every large allocation a fresh
-    mapping (page faults), which is why only the memory probes use it, never the timed runs.
-    """
-    if _LIBC is None:
-        return False
-    return bool(_LIBC.mallopt(-3, threshold)) and bool(_LIBC.mallopt(-1, threshold))  # M_MMAP_, M_TRIM_THRESHOLD
-
-
 def memory_probe(args) -> None:
     """Child process: one prefill of one method at one length; prints its RSS high-water mark as JSON."""
     fixed_malloc_thresholds()
@@ -349,7 +179,7 @@ def memory_probe(args) -> None:
     torch.set_num_threads(args.threads[0])
     model, tokenizer, (low, high), _ = build_model(args.model, device, dtype)
     length, method = args.lengths[0], args._probe
-    budget = budget_tokens(args.budget, length, method)
+    budget = method_budget(args.budget, length, method)
     params = method_parameters(method, budget)
     warm = torch.randint(low, high, (1, 64), generator=torch.Generator().manual_seed(1)).to(device)
     run_once(model, tokenizer, warm, method_parameters(method, 32) if params else None, 2, device,
@@ -370,11 +200,6 @@ def isolated_memory(args, length: int, method: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- driver
-def median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def log(message: str) -> None:
     print(f"[speed_memory {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -383,28 +208,50 @@ def benchmark(args) -> dict:
     device, dtype = args.device, getattr(torch, args.dtype)
     torch.set_num_threads(args.thread_count)
     model, tokenizer, (low, high), described = build_model(args.model, device, dtype)
-    twin = copy.deepcopy(model)  # the uncompressed same-size cache of target (b) decodes on its own copy
+    # the uncompressed same-size cache of target (b) decodes on its own copy of the model
+    twin = copy.deepcopy(model) if args.same_size else None
     methods = [m for m in args.methods if m != "none"]
-    results = {"settings": [], "environment": environment(args, described)}
+    results = {"settings": [], "environment": environment(args, described), "errors": []}
+    deadline = time.perf_counter() + args.deadline_s if args.deadline_s else float("inf")
     for length in args.lengths:
+        if time.perf_counter() > deadline:
+            log(f"{args.model} length {length}: skipped (--deadline-s {args.deadline_s})")
+            continue
         prompt = torch.randint(low, high, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
-        budgets = {m: budget_tokens(args.budget, length, m) for m in methods}
+        budgets = {m: method_budget(args.budget, length, m) for m in methods}
         runs = {"none": (prompt, None)}
         for m in methods:
             runs[m] = (prompt, method_parameters(m, budgets[m]))
-        log(f"{args.model} length {length}: warm-up")
-        warm = prompt[:, :64]
-        for name, (_, params) in runs.items():
-            warm_params = method_parameters(name, 32) if params is not None else None
-            run_once(model, tokenizer, warm, warm_params, 2, device,
-                     same_size=(twin, warm[:, :32]) if params else None)
         records = {name: [] for name in runs}
+
+        def measure(name, ids, params, new_tokens, same_size) -> dict | None:
+            """One run; an error (out of memory, say) is recorded and the benchmark goes on."""
+            try:
+                return run_once(model, tokenizer, ids, params, new_tokens, device, same_size=same_size)
+            except RuntimeError as error:
+                results["errors"].append({"length": length, "method": name, "error": f"{type(error).__name__}: "
+                                          f"{str(error)[:500]}"})
+                log(f"{args.model} L={length} {name}: {type(error).__name__}: {str(error)[:300]}")
+                release_memory()
+                return None
+
+        # a GPU warms up at full length (its allocator and kernels as timed), a CPU on a short prefix
+        warm = prompt if args.full_warm_up else prompt[:, :64]
+        log(f"{args.model} length {length}: warm-up at {warm.shape[1]} tokens")
+        for name, (_, params) in runs.items():
+            warm_params = None if params is None else (
+                params if args.full_warm_up else method_parameters(name, 32))
+            measure(name, warm, warm_params, 2, (twin, warm[:, :32]) if params and twin is not None else None)
         order = list(runs)
         for repeat in range(args.repeats):
             for name in (order if repeat % 2 == 0 else order[::-1]):
+                if time.perf_counter() > deadline:
+                    break
                 ids, params = runs[name]
-                same_size = (twin, prompt[:, : budgets[name]]) if params is not None else None
-                record = run_once(model, tokenizer, ids, params, args.new_tokens, device, same_size=same_size)
+                same_size = (twin, prompt[:, : budgets[name]]) if params is not None and twin is not None else None
+                record = measure(name, ids, params, args.new_tokens, same_size)
+                if record is None:
+                    continue
                 records[name].append(record)
                 twin_note = ""
                 if same_size is not None:
@@ -418,7 +265,8 @@ def benchmark(args) -> dict:
                 isolated[name] = isolated_memory(args, length, name)
                 log(f"{args.model} L={length} isolated {name}: peak above start "
                     f"{(isolated[name]['peak_above_start'] or 0) / 2**20:.1f} MiB")
-        results["settings"].append(summarise(length, budgets, records, isolated))
+        if records["none"]:
+            results["settings"].append(summarise(length, budgets, records, isolated))
     return results
 
 
@@ -440,7 +288,7 @@ def summarise(length, budgets, records, isolated) -> dict:
                                         "decode_per_token_s")}
     rows = []
     for name in records:
-        if name == "none":
+        if name == "none" or not records[name]:
             continue
         row = {
             "method": name, "budget": budgets[name], "kv_slots": med(name, "kv_slots"),
@@ -464,8 +312,12 @@ def summarise(length, budgets, records, isolated) -> dict:
         row["decode_speedup_vs_full"] = full["decode_per_token_s"] / row["decode_per_token_s"]
         row["same_size_decode_per_token_s"] = med(name, "same_size_decode_per_token_s")
         row["decode_throughput_vs_same_size"] = median(  # paired: each repeat's own ratio
-            [r["same_size_decode_per_token_s"] / r["decode_per_token_s"] for r in records[name]]
+            [r["same_size_decode_per_token_s"] / r["decode_per_token_s"] for r in records[name]
+             if "same_size_decode_per_token_s" in r]
         )
+        # the four ratios to the uncompressed run that the GPU table reads (× of full: lower is better)
+        row.update(prefill_x=row["prefill_ratio"], peak_x=row["peak_memory_ratio"], kv_x=row["kv_bytes_ratio"],
+                   decode_x=row["decode_per_token_s"] / full["decode_per_token_s"])
         row["decode_hook_share"] = row["decode_hook_s_per_token"] / row["decode_per_token_s"]
         if name in isolated and isolated.get("none", {}).get("peak_above_start"):
             row["isolated_peak_bytes"] = isolated[name]["peak_above_start"]
@@ -478,10 +330,6 @@ def summarise(length, budgets, records, isolated) -> dict:
     }
 
 
-def ratio(a, b):
-    return a / b if a is not None and b else None
-
-
 def environment(args, described) -> dict:
     return {
         "command": "python " + " ".join(shlex.quote(a) for a in ["benchmarks/speed_memory.py", *args.argv]),
@@ -491,7 +339,16 @@ def environment(args, described) -> dict:
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "load_average_at_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "budget": args.budget, "new_tokens": args.new_tokens, "repeats": args.repeats, "cpu_memory": cpu_memory_method(),
+        "triton": _triton_version(), **gpu_description(),
     }
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -545,7 +402,8 @@ def markdown(results: dict) -> str:
             )
     lines += ["", "Same-size cache for (b): an uncompressed copy of the model prefilled with the first `budget` "
               "tokens of the prompt, whose decode steps alternate one for one with the compressed run's (ms/token): "
-              + ", ".join(f"{s['length']} {row['method']}: {fmt(1000 * row['same_size_decode_per_token_s'], '{:.2f}')}"
+              + ", ".join(f"{s['length']} {row['method']}: "
+                          f"{fmt(row['same_size_decode_per_token_s'] and 1000 * row['same_size_decode_per_token_s'], '{:.2f}')}"
                           for s in results["settings"] for row in s["methods"]), ""]
     if any(s.get("isolated_none_peak_bytes") for s in results["settings"]):
         lines += ["Peak prefill memory in a fresh process per run (RSS high-water mark above the RSS before prefill, "
@@ -598,8 +456,8 @@ def markdown(results: dict) -> str:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default",
-                        choices=["default", "tiny-llama", "tiny-llama-512", "tiny-qwen3", "llama-7b-shape"])
+    parser.add_argument("--model", default="default", choices=["default", *SHAPES],
+                        help="the embedded default model, or random weights of a shape (llama3-8b-shape: for a GPU)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--methods", nargs="+", default=list(SCORERS), choices=METHODS,
                         help="default: every registered scorer")
@@ -615,30 +473,27 @@ def parse_args(argv=None):
                         help="default: kvcompress.models.default_dtype(device), i.e. bfloat16 on CUDA and on CPUs with "
                              "native bfloat16 (AVX512-BF16 / AMX), float32 elsewhere")
     parser.add_argument("--isolated-memory", action="store_true", help="also measure peak RSS in a fresh process per run")
+    parser.add_argument("--same-size", choices=["auto", "on", "off"], default="auto",
+                        help="target (b): decode beside an uncompressed copy of the model (auto: on CPU only; on a GPU "
+                             "the copy of an 8B model doubles memory and time)")
+    parser.add_argument("--full-warm-up", choices=["auto", "on", "off"], default="auto",
+                        help="warm every run up at the full prompt length (auto: on GPUs, whose allocator and kernels "
+                             "then run as timed) instead of on 64 tokens")
+    parser.add_argument("--deadline-s", type=float, default=0.0,
+                        help="start no run after this many seconds (0: none); what was measured is reported")
     parser.add_argument("--out", default="benchmarks/results/speed_memory")
     parser.add_argument("--from-json", default=None, help="only re-render the Markdown of an earlier run's JSON")
     parser.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    on_gpu = args.device.startswith("cuda")
+    args.same_size = args.same_size == "on" or (args.same_size == "auto" and not on_gpu)
+    args.full_warm_up = args.full_warm_up == "on" or (args.full_warm_up == "auto" and on_gpu)
     if args.dtype is None:
         from kvcompress.models import default_dtype
 
         args.dtype = str(default_dtype(args.device)).removeprefix("torch.")
     return args
-
-
-@contextlib.contextmanager
-def busy_processes(count: int):
-    """``count`` processes that keep a core busy for as long as the block runs (a shared machine)."""
-    processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        if processes:
-            time.sleep(1.0)  # let the scheduler see them
-        yield
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
 
 
 def main(argv=None) -> None:

@@ -156,6 +156,12 @@ def kv_cache_bytes(cache: Cache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in _filled_layers(cache))
 
 
+def state_bytes(cache: Cache) -> int:
+    """Bytes of the eviction state the compressed layers keep beside their keys and values (scores, positions,
+    slot layout): what a compressed sequence costs on top of ``kv_cache_bytes``."""
+    return sum(layer.state.nbytes for layer in cache.layers if getattr(layer, "state", None) is not None)
+
+
 def kv_cache_length(cache: Cache) -> int:
     """Physical slots per full-attention layer (what compression bounds), averaged over those layers and rounded:
     their common length, unless the layers have budgets of their own (``budget_allocation="global"``); a folded

@@ -258,6 +258,15 @@ class LayerState:
         return self._fewest_units
 
     @property
+    def nbytes(self) -> int:
+        """Bytes the state holds (its buffers, spare capacity included, and the scorer's statistics)."""
+        tensors = [buffer for buffer in self._buffers.values() if buffer is not None]
+        tensors += list(self.statistics.values())
+        if self._scored_units is not None:
+            tensors.append(self._scored_units)
+        return sum(tensor.nbytes for tensor in tensors)
+
+    @property
     def per_head(self) -> bool:
         """Each KV head keeps its own slots (``head_selection="per_head"``)."""
         return self._buffers["rope_positions"].dim() == 3

@@ -73,3 +73,28 @@ def test_decode_overhead_splits_the_gap_on_a_tiny_model(tmp_path):
     assert result["budget"] == 26 and "fused_attention" in result["profile"]
     assert "(b) = same-size / continuous" in (tmp_path / "split.md").read_text()
     assert (tmp_path / "split_profile.txt").exists()
+
+
+def test_throughput_fills_the_memory_with_as_many_sequences_as_fit(tmp_path):
+    """The full cache and a compressed one of the same prompt: each batch is the most sequences whose caches (KV
+    and state) fit beside the weights, all decoded together; at 20 % kept several times more fit. The GPU table
+    reads this file (benchmarks/gpu/report.py)."""
+    import throughput
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
+    import report
+
+    out = tmp_path / "gpu" / "throughput_tiny"
+    throughput.main(["--device", "cpu", "--model", "tiny-llama", "--dtype", "float32", "--length", "256",
+                     "--methods", "none", "snapkv", "--memory-gib", "1.02", "--new-tokens", "2", "--out", str(out)])
+    results = json.loads(out.with_suffix(".json").read_text())
+    rows = {row["method"]: row for row in results["methods"]}
+    for row in rows.values():
+        per_sequence = row["kv_bytes_per_sequence"] + row["state_bytes_per_sequence"]
+        weights = results["environment"]["weights_bytes"]
+        assert row["batch"] == throughput.largest_batch(int(1.02 * 2**30), weights, per_sequence, 2)
+        assert row["tokens_per_s"] > 0
+    assert rows["none"]["state_bytes_per_sequence"] == 0 < rows["snapkv"]["state_bytes_per_sequence"]
+    assert rows["snapkv"]["batch_x"] > 3
+    report.main([str(tmp_path / "gpu")])
+    assert "| snapkv |" in (tmp_path / "gpu" / "summary.md").read_text()

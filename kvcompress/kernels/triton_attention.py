@@ -38,6 +38,10 @@ except ImportError:  # the torch implementation serves without Triton
     triton = tl = None
 
 LOG2_E = 1.4426950408889634
+# The output and log-sum-exp pass: "auto" (torch's flash attention for unmasked half-precision passes on CUDA, the
+# Triton forward otherwise), "flash" or "triton"; KVCOMPRESS_GPU_FORWARD sets it for a measurement of both.
+FORWARD = os.environ.get("KVCOMPRESS_GPU_FORWARD", "auto")
+BLOCK_OVERRIDES: dict[str, int] = {}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -65,15 +69,17 @@ def supports(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | N
 
 
 def _block_sizes(head_dim: int) -> dict[str, int]:
-    """Rows and keys per program: large blocks for the tensor cores, smaller ones for wide heads (shared memory);
-    small ones under the interpreter, so that the tests' short sequences cross several blocks."""
+    """Rows and keys per program: large blocks for the tensor cores (the column pass holds its keys while the
+    query rows stream past, so more keys per program read the queries fewer times), smaller ones for wide heads
+    (shared memory); small ones under the interpreter, so that the tests' short sequences cross several blocks.
+    ``BLOCK_OVERRIDES`` replaces any of them (``benchmarks/gpu/kernels.py`` measures the choices)."""
     if interpreted():
-        return dict(forward_rows=32, forward_keys=16, column_keys=16, column_rows=32, warps=4, stages=1)
-    if head_dim <= 64:
-        return dict(forward_rows=128, forward_keys=64, column_keys=128, column_rows=64, warps=4, stages=3)
-    if head_dim <= 128:
-        return dict(forward_rows=128, forward_keys=64, column_keys=64, column_rows=64, warps=8, stages=3)
-    return dict(forward_rows=64, forward_keys=32, column_keys=32, column_rows=64, warps=8, stages=2)
+        sizes = dict(forward_rows=32, forward_keys=16, column_keys=16, column_rows=32, warps=4, stages=1)
+    elif head_dim <= 128:
+        sizes = dict(forward_rows=128, forward_keys=64, column_keys=128, column_rows=64, warps=8, stages=3)
+    else:
+        sizes = dict(forward_rows=64, forward_keys=32, column_keys=64, column_rows=32, warps=8, stages=2)
+    return sizes | BLOCK_OVERRIDES
 
 
 def fused_attention(
@@ -117,14 +123,16 @@ def fused_attention(
         UPCAST=interpreted() or queries.dtype == torch.float32, num_warps=sizes["warps"],
         num_stages=sizes["stages"],
     )
-    rows = groups * length
-    _forward[(triton.cdiv(rows, forward_rows), batch * kv_heads)](
-        queries, keys, values, output, lse, valid, rows_seen,
-        *queries.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
-        *(output.stride()[:3] if need_output else (0, 0, 0)),
-        kv_heads, groups, length, total, head_dim, scaling * LOG2_E,
-        NEED_OUTPUT=need_output, BLOCK_M=forward_rows, BLOCK_N=forward_keys, **common,
-    )
+    if need_output and slot_valid is None and observed is None and _flash_serves(queries):
+        output, lse = _flash_forward(queries, keys, values, scaling)
+    else:
+        _forward[(triton.cdiv(groups * length, forward_rows), batch * kv_heads)](
+            queries, keys, values, output, lse, valid, rows_seen,
+            *queries.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
+            *(output.stride()[:3] if need_output else (0, 0, 0)),
+            kv_heads, groups, length, total, head_dim, scaling * LOG2_E,
+            NEED_OUTPUT=need_output, BLOCK_M=forward_rows, BLOCK_N=forward_keys, **common,
+        )
     _column_statistics[(triton.cdiv(total, column_keys), batch * kv_heads)](
         queries, keys, lse, scores, valid, rows_seen,
         *queries.stride()[:3], *keys.stride()[:3],
@@ -132,6 +140,51 @@ def fused_attention(
         MAXIMUM=maximum, BLOCK_M=column_rows, BLOCK_N=column_keys, **common,
     )
     return scores, (output if need_output else None)
+
+
+def _flash_serves(queries: torch.Tensor) -> bool:
+    """torch's flash attention computes the output and the log-sum-exp (``FORWARD="flash"``, or ``"auto"`` on CUDA
+    in half precision); the Triton forward serves masks, float32 and the interpreter."""
+    if FORWARD == "triton" or queries.device.type != "cuda" or queries.dtype == torch.float32:
+        return False
+    return FORWARD == "flash" or (FORWARD == "auto" and queries.shape[-1] <= 256)
+
+
+def _flash_forward(queries, keys, values, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (B, q, H, d) and base-2 log-sum-exp (B, H, q) from torch's flash attention: the forward's own tokens
+    as a square causal block and, after a cached prefix, the prefix with no mask, merged by their log-sum-exps
+    (flash's causal mask is not aligned to the end of a longer key sequence in every torch)."""
+    base = keys.shape[2] - queries.shape[2]
+    own_output, own_lse = _flash(queries, keys[:, :, base:], values[:, :, base:], scaling, causal=True)
+    if base == 0:
+        return own_output.transpose(1, 2).contiguous(), own_lse * LOG2_E
+    prefix_output, prefix_lse = _flash(queries, keys[:, :, :base], values[:, :, :base], scaling, causal=False)
+    lse = torch.logaddexp(prefix_lse, own_lse)
+    output = (prefix_output.float() * (prefix_lse - lse).exp().unsqueeze(-1)
+              + own_output.float() * (own_lse - lse).exp().unsqueeze(-1)).to(queries.dtype)
+    return output.transpose(1, 2).contiguous(), lse * LOG2_E
+
+
+_gqa_in_flash: bool | None = None  # whether torch's flash op takes fewer key / value heads (asked once)
+
+
+def _flash(queries, keys, values, scaling: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, q, d) output and natural log-sum-exp (B, H, q) float32 of one flash call; keys and values repeated
+    per query head only where the op does not take grouped heads itself."""
+    global _gqa_in_flash
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    groups = queries.shape[1] // keys.shape[1]
+    if groups > 1 and _gqa_in_flash is not False:
+        try:
+            output, lse = flash(queries, keys, values, 0.0, causal, False, scale=scaling)[:2]
+            _gqa_in_flash = True
+            return output, lse[..., : queries.shape[2]].contiguous()
+        except RuntimeError:
+            _gqa_in_flash = False
+    if groups > 1:
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    output, lse = flash(queries, keys, values, 0.0, causal, False, scale=scaling)[:2]
+    return output, lse[..., : queries.shape[2]].contiguous()
 
 
 def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
@@ -157,7 +210,10 @@ if triton is not None:
         pointers = Q + q_batch + head[:, None] * stride_qh + token[:, None] * stride_qm + dims[None, :]
         return tl.load(pointers, mask=(token < length)[:, None] & (dims < head_dim)[None, :], other=0.0)
 
-    @triton.jit
+    # lengths, and the strides that follow them, change from call to call: compiled once, not per value
+    _VARYING = ["stride_qb", "stride_qh", "stride_kb", "stride_kh", "length", "total"]
+
+    @triton.jit(do_not_specialize=[*_VARYING, "stride_vb", "stride_vh", "stride_ob", "stride_om"])
     def _forward(
         Q, K, V, O, LSE, VALID, OBSERVED,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -215,7 +271,7 @@ if triton is not None:
             pointers = O + batch * stride_ob + token[:, None] * stride_om + head[:, None] * stride_oh + dims[None, :]
             tl.store(pointers, out.to(O.dtype.element_ty), mask=real[:, None] & (dims < head_dim)[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_VARYING)
     def _column_statistics(
         Q, K, LSE, SCORES, VALID, OBSERVED,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
