@@ -231,3 +231,22 @@ def test_triton_kernels_match_float64(dtype, length, cached, dim, window, masks,
     assert output.dtype == dtype and scores.dtype == torch.float32 and torch.isfinite(output).all()
     torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(output[real].double(), expected_output[real], rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype, cached", [(torch.bfloat16, CACHED), (torch.float32, 0)],
+                         ids=["bfloat16-after-a-prefix", "float32-no-prefix"])
+def test_flash_forward_then_triton_columns_match_float64(monkeypatch, dtype, cached):
+    """The accelerators' other forward: torch's flash attention (its CPU op here) on the pass's own block and, after
+    a prefix, on the prefix, merged by their log-sum-exps, whose base-2 values the column pass then reads (sums
+    and maxima both), on a pass with no masks."""
+    monkeypatch.setattr(triton_attention, "FORWARD", "flash")
+    queries, keys, values, _, _ = _inputs(dtype, cached=cached)
+    every_slot, every_row = torch.ones(2, cached + NEW, dtype=torch.bool), torch.ones(2, NEW, dtype=torch.bool)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.03
+    for reduce in ("sum", "max"):
+        scores, output = triton_attention.fused_attention(queries, keys, values, 0.3, maximum=reduce == "max")
+        expected_scores, expected_output = _reference(queries, keys, values, every_slot, every_row, 0.3,
+                                                      reduce=reduce)
+        # the log-sum-exp is flash's (measured within 5e-5 of the definition in bfloat16, 1e-6 in float32)
+        torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(output.double(), expected_output, rtol=tolerance, atol=tolerance)

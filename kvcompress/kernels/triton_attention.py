@@ -144,10 +144,10 @@ def fused_attention(
 
 def _flash_serves(queries: torch.Tensor) -> bool:
     """torch's flash attention computes the output and the log-sum-exp (``FORWARD="flash"``, or ``"auto"`` on CUDA
-    in half precision); the Triton forward serves masks, float32 and the interpreter."""
-    if FORWARD == "triton" or queries.device.type != "cuda" or queries.dtype == torch.float32:
-        return False
-    return FORWARD == "flash" or (FORWARD == "auto" and queries.shape[-1] <= 256)
+    in half precision); the Triton forward serves masks, float32 (in full precision) and the interpreter."""
+    if FORWARD != "auto":
+        return FORWARD == "flash"
+    return queries.device.type == "cuda" and queries.dtype != torch.float32 and queries.shape[-1] <= 256
 
 
 def _flash_forward(queries, keys, values, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,25 +165,31 @@ def _flash_forward(queries, keys, values, scaling: float) -> tuple[torch.Tensor,
     return output.transpose(1, 2).contiguous(), lse * LOG2_E
 
 
-_gqa_in_flash: bool | None = None  # whether torch's flash op takes fewer key / value heads (asked once)
+_gqa_in_flash: dict[str, bool] = {}  # per device type: whether torch's flash op takes fewer key / value heads
 
 
 def _flash(queries, keys, values, scaling: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, H, q, d) output and natural log-sum-exp (B, H, q) float32 of one flash call; keys and values repeated
-    per query head only where the op does not take grouped heads itself."""
-    global _gqa_in_flash
-    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    """(B, H, q, d) output and natural log-sum-exp (B, H, q) float32 of one flash call (torch's CPU flash op where
+    the tensors are on CPU: the tests' way to check the merge); keys and values repeated per query head only
+    where the op does not take grouped heads itself (asked once per device type)."""
+    device = queries.device.type
+    if device == "cpu":
+        def flash(q, k, v):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scaling)
+    else:
+        def flash(q, k, v):
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scaling)
     groups = queries.shape[1] // keys.shape[1]
-    if groups > 1 and _gqa_in_flash is not False:
+    if groups > 1 and _gqa_in_flash.get(device, True):
         try:
-            output, lse = flash(queries, keys, values, 0.0, causal, False, scale=scaling)[:2]
-            _gqa_in_flash = True
+            output, lse = flash(queries, keys, values)[:2]
+            _gqa_in_flash[device] = True
             return output, lse[..., : queries.shape[2]].contiguous()
         except RuntimeError:
-            _gqa_in_flash = False
+            _gqa_in_flash[device] = False
     if groups > 1:
         keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-    output, lse = flash(queries, keys, values, 0.0, causal, False, scale=scaling)[:2]
+    output, lse = flash(queries, keys, values)[:2]
     return output, lse[..., : queries.shape[2]].contiguous()
 
 
