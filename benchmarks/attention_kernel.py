@@ -28,7 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import busy_processes  # noqa: E402
-
 from kvcompress.kernels import native  # noqa: E402
 from kvcompress.kernels.attention import observed_attention, prefix_max_attention  # noqa: E402
 

@@ -32,7 +32,6 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import budget_tokens, build_model  # noqa: E402
-
 from kvcompress import KVCacheCompressor  # noqa: E402
 from kvcompress.presets import preset  # noqa: E402
 

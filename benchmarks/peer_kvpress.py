@@ -216,9 +216,8 @@ class Runner:
     """One pipeline per attention implementation (sdpa always; eager only when a method needs it)."""
 
     def __init__(self, model_dir: Path):
-        from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
         import kvpress  # noqa: F401  (registers "kv-press-text-generation" and patches attention functions)
+        from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
         self.model_dir = model_dir
         self._auto_model = AutoModelForCausalLM

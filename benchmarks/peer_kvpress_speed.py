@@ -38,8 +38,17 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
-    SHAPES, PeakMemory, busy_processes, describe_shape, gpu_description, median, random_model, ratio,
-    release_memory, synchronize, tiny_tokenizer,
+    SHAPES,
+    PeakMemory,
+    busy_processes,
+    describe_shape,
+    gpu_description,
+    median,
+    random_model,
+    ratio,
+    release_memory,
+    synchronize,
+    tiny_tokenizer,
 )
 
 PRESSES = ("SnapKVPress", "ObservedAttentionPress", "ExpectedAttentionPress", "KVzipPress", "TOVAPress",
@@ -175,7 +184,8 @@ def markdown(results: dict) -> str:
     for block in results["runs"]:
         for name, row in block["presses"].items():
             lines.append(
-                f"| {block['length']} | {block['threads']} | {block['busy']} | {name} | {f(row['prefill_s'], '{:.3f}')} "
+                f"| {block['length']} | {block['threads']} | {block['busy']} | {name} "
+                f"| {f(row['prefill_s'], '{:.3f}')} "
                 f"| {f(row['prefill_x'])} | {f(row['prefill_x_own_baseline'])} | {f(row['peak_x'])} "
                 f"| {f(row['kv_x'], '{:.4f}')} ({f(row['kv_effective_x'], '{:.4f}')}) "
                 f"| {f(row['decode_per_token_s'] and 1000 * row['decode_per_token_s'])} | {f(row['decode_x'])} "

@@ -32,14 +32,16 @@ def passkey_prompt(tokenizer, seed: int, filler_sentences: int) -> str:
     sentences = [" ".join(rng.choice(WORDS) for _ in range(12)).capitalize() + "." for _ in range(filler_sentences)]
     sentences.insert(rng.randint(0, filler_sentences), f"The pass key is {key}. Remember it. {key} is the pass key.")
     text = " ".join(sentences) + "\n\nWhat is the pass key? Answer with the number only."
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def methods(budget: int) -> dict[str, KVCacheCompressionParameters]:
     split = dict(start_size=32, recent_size=64, intermediate_size=budget - 96)
     grouped = dict(start_size=32, recent_size=64, intermediate_size=(budget - 96) // 32 * 32, strategy="per_group")
     return {
-        "streaming (start+recent)": KVCacheCompressionParameters.from_budget(budget, start_size=32, recent_size=budget - 32),
+        "streaming (start+recent)": KVCacheCompressionParameters.from_budget(budget, start_size=32,
+                                                                             recent_size=budget - 32),
         "h2o sum": KVCacheCompressionParameters(algorithm="h2o", score_aggregation="sum", **split),
         "h2o norm_sum": KVCacheCompressionParameters(algorithm="h2o", **split),
         "snapkv sum": KVCacheCompressionParameters(score_aggregation="sum", **split),
@@ -94,13 +96,16 @@ def main() -> None:
         budget = int(args.budget_fraction * input_ids.shape[1])
         for name, params in methods(budget).items():
             kept = kept_positions(model, input_ids, params)
-            share = torch.stack([layer_rows[:, :, positions].sum(-1).mean() for layer_rows, positions in zip(rows, kept)])
+            share = torch.stack([layer_rows[:, :, positions].sum(-1).mean()
+                                 for layer_rows, positions in zip(rows, kept)])
             shares.setdefault(name, []).append(share.mean().item())
-        print(f"prompt {seed}: {input_ids.shape[1]} tokens, answer {tokenizer.decode(answer, skip_special_tokens=True)!r}"
+        print(f"prompt {seed}: {input_ids.shape[1]} tokens, "
+              f"answer {tokenizer.decode(answer, skip_special_tokens=True)!r}"
               f" ({time.perf_counter() - started:.0f} s)", flush=True)
     lines = [
         f"Retained attention share at {args.budget_fraction:.0%} of the prompt (SmolLM2-135M-Instruct, "
-        f"{args.prompts} passkey prompts of {min(lengths)}-{max(lengths)} tokens, {args.new_tokens - 1} answer queries)",
+        f"{args.prompts} passkey prompts of {min(lengths)}-{max(lengths)} tokens, "
+        f"{args.new_tokens - 1} answer queries)",
         "",
         "| method | retained share (mean) | min | max |",
         "|---|---|---|---|",

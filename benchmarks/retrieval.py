@@ -30,7 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from retrieval_methods import DEFAULT_METHODS, METHODS, method_parameters  # noqa: E402
 from retrieval_report import (  # noqa: E402
-    ALL, FULL, Record, append_record, calibration_table, headline_table, load_records, markdown_table, plot, summarise,
+    ALL,
+    FULL,
+    Record,
+    append_record,
+    calibration_table,
+    headline_table,
+    load_records,
+    markdown_table,
+    plot,
+    summarise,
     write_tables,
 )
 from retrieval_tasks import DEFAULT_TASKS, TASKS, Sample, make_samples  # noqa: E402

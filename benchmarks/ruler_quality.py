@@ -35,8 +35,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
 from kvbench.generation import cache_bytes  # noqa: E402
+from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
 from kvcompress.models import load_default_model  # noqa: E402
 from kvcompress.presets import NONE, budget_slots, method_names, preset  # noqa: E402
 from ruler.chat import PROTOCOLS, encode_prompt  # noqa: E402

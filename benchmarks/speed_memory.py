@@ -59,12 +59,21 @@ if str(ROOT) not in sys.path:
 
 from transformers import DynamicCache  # noqa: E402
 
-from benchmarks.common import (  # noqa: E402
-    SHAPES, PeakMemory, budget_tokens, build_model, busy_processes, cpu_memory_method, fixed_malloc_thresholds,
-    gpu_description, median, ratio, release_memory, synchronize,
-)
-
 import kvcompress  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    SHAPES,
+    PeakMemory,
+    budget_tokens,
+    build_model,
+    busy_processes,
+    cpu_memory_method,
+    fixed_malloc_thresholds,
+    gpu_description,
+    median,
+    ratio,
+    release_memory,
+    synchronize,
+)
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
 from kvcompress.cache import kv_cache_bytes, kv_cache_length  # noqa: E402
 from kvcompress.presets import NONE, STREAMING_LLM, method_names, preset  # noqa: E402
@@ -296,7 +305,8 @@ def summarise(length, budgets, records, isolated) -> dict:
             "kv_bytes": med(name, "kv_bytes"), "decode_per_token_s": med(name, "decode_per_token_s"),
             "prefill_hook_s": median([hook_seconds(r, "prefill_hooks") for r in records[name]]),
             "decode_hook_s_per_token": median(
-                [hook_seconds(r, "decode_hooks") / max(1, r["decode_s"] / r["decode_per_token_s"]) for r in records[name]]
+                [hook_seconds(r, "decode_hooks") / max(1, r["decode_s"] / r["decode_per_token_s"])
+                 for r in records[name]]
             ),
             "prefill_hooks_breakdown": {
                 k: median([r["prefill_hooks"].get(k, 0.0) for r in records[name]])
@@ -338,7 +348,8 @@ def environment(args, described) -> dict:
         "kvcompress": getattr(kvcompress, "__version__", "0.1.0"), "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "load_average_at_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "budget": args.budget, "new_tokens": args.new_tokens, "repeats": args.repeats, "cpu_memory": cpu_memory_method(),
+        "budget": args.budget, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "cpu_memory": cpu_memory_method(),
         "triton": _triton_version(), **gpu_description(),
     }
 
@@ -352,6 +363,10 @@ def _triton_version() -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------- report
+def _milliseconds(seconds):
+    return None if seconds is None else 1000 * seconds
+
+
 def fmt(value, pattern="{:.3f}"):
     return "—" if value is None else pattern.format(value)
 
@@ -382,8 +397,9 @@ def markdown(results: dict) -> str:
            "(after `malloc_trim`)." if env["cpu_memory"] == "hwm" else "RSS sampled every 2 ms above the RSS before "
            "prefill (after `malloc_trim`)."),
         "",
-        "| length | method | budget | prefill s (full → compressed) | prefill × | hook share | peak MiB (full → compr.) "
-        "| peak × | KV × (expected) | KV × after decode | decode ms/token full → compr. | decode speed-up vs full (a) | throughput vs "
+        "| length | method | budget | prefill s (full → compressed) | prefill × | hook share "
+        "| peak MiB (full → compr.) | peak × | KV × (expected) | KV × after decode | decode ms/token full → compr. "
+        "| decode speed-up vs full (a) | throughput vs "
         "same-size cache (b) | decode hook share |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -392,25 +408,30 @@ def markdown(results: dict) -> str:
         for row in setting["methods"]:
             lines.append(
                 f"| {setting['length']} | {row['method']} | {row['budget']} | {fmt(full['prefill_s'], '{:.2f}')} → "
-                f"{fmt(row['prefill_s'], '{:.2f}')} | {fmt(row['prefill_ratio'])} | {fmt(100 * row['prefill_hook_share'], '{:.1f} %')} "
-                f"| {fmt(full['prefill_peak_bytes'] / 2**20, '{:.0f}')} → {fmt(row['prefill_peak_bytes'] / 2**20, '{:.0f}')} "
-                f"| {fmt(row['peak_memory_ratio'])} | {fmt(row['kv_bytes_ratio'], '{:.4f}')} ({fmt(row['kv_bytes_expected_ratio'], '{:.4f}')}) "
+                f"{fmt(row['prefill_s'], '{:.2f}')} | {fmt(row['prefill_ratio'])} "
+                f"| {fmt(100 * row['prefill_hook_share'], '{:.1f} %')} "
+                f"| {fmt(full['prefill_peak_bytes'] / 2**20, '{:.0f}')} → "
+                f"{fmt(row['prefill_peak_bytes'] / 2**20, '{:.0f}')} "
+                f"| {fmt(row['peak_memory_ratio'])} | {fmt(row['kv_bytes_ratio'], '{:.4f}')} "
+                f"({fmt(row['kv_bytes_expected_ratio'], '{:.4f}')}) "
                 f"| {fmt(row.get('final_kv_bytes_ratio'), '{:.4f}')} "
-                f"| {fmt(1000 * full['decode_per_token_s'], '{:.2f}')} → {fmt(1000 * row['decode_per_token_s'], '{:.2f}')} "
+                f"| {fmt(1000 * full['decode_per_token_s'], '{:.2f}')} → "
+                f"{fmt(1000 * row['decode_per_token_s'], '{:.2f}')} "
                 f"| {fmt(row['decode_speedup_vs_full'], '{:.2f}')} × | {fmt(row['decode_throughput_vs_same_size'])} × "
                 f"| {fmt(100 * row['decode_hook_share'], '{:.1f} %')} |"
             )
     lines += ["", "Same-size cache for (b): an uncompressed copy of the model prefilled with the first `budget` "
               "tokens of the prompt, whose decode steps alternate one for one with the compressed run's (ms/token): "
               + ", ".join(f"{s['length']} {row['method']}: "
-                          f"{fmt(row['same_size_decode_per_token_s'] and 1000 * row['same_size_decode_per_token_s'], '{:.2f}')}"
+                          f"{fmt(_milliseconds(row['same_size_decode_per_token_s']), '{:.2f}')}"
                           for s in results["settings"] for row in s["methods"]), ""]
     if any(s.get("isolated_none_peak_bytes") for s in results["settings"]):
         lines += ["Peak prefill memory in a fresh process per run (RSS high-water mark above the RSS before prefill, "
                   "glibc mmap/trim thresholds fixed at 1 MiB so that the RSS follows the live tensors):", "",
                   "| length | method | peak MiB | × full |", "|---|---|---|---|"]
         for s in results["settings"]:
-            lines.append(f"| {s['length']} | none | {fmt((s['isolated_none_peak_bytes'] or 0) / 2**20, '{:.0f}')} | 1 |")
+            none_peak = (s['isolated_none_peak_bytes'] or 0) / 2**20
+            lines.append(f"| {s['length']} | none | {fmt(none_peak, '{:.0f}')} | 1 |")
             for row in s["methods"]:
                 if "isolated_peak_bytes" in row:
                     lines.append(f"| {s['length']} | {row['method']} | {row['isolated_peak_bytes'] / 2**20:.0f} "
@@ -420,14 +441,16 @@ def markdown(results: dict) -> str:
         "## Targets (issue 6)", "",
         f"Prefill time ≤ {TARGETS['prefill_snapkv']} × (SnapKV) / ≤ {TARGETS['prefill_h2o']} × (H2O) / ≤ "
         f"{TARGETS['prefill_kvzip']} × (KVzip, the paper's figure; it prefills the context twice); peak prefill "
-        f"memory ≤ {TARGETS['peak_memory']} × (KVzip ≤ {TARGETS['peak_memory_kvzip']} ×); KV bytes = budget / length exactly; (a) decode faster than the full "
+        f"memory ≤ {TARGETS['peak_memory']} × (KVzip ≤ {TARGETS['peak_memory_kvzip']} ×); KV bytes = budget / length "
+        "exactly; (a) decode faster than the full "
         f"cache; (b) decode throughput with continuous eviction ≥ {TARGETS['decode_continuous']} × a same-size cache "
         "that never evicts. ✅ met, ❌ not met. Peak memory: the fresh-process measurement where there is one, "
         "else the in-process one; the prefill ratio is the end-to-end wall time; in brackets 1 + the "
         "seconds the compressor spent outside the model's attention call (scoring beside sdpa, selection, "
         "compaction) / the uncompressed prefill, which a shared machine disturbs less. H2O computes the attention "
         "output and its scores in one pass that replaces sdpa: only the end-to-end ratio shows its cost.", "",
-        "| length | method | prefill × | peak memory × | KV bytes × (= budget / length) | (a) decode speed-up vs full | "
+        "| length | method | prefill × | peak memory × | KV bytes × (= budget / length) "
+        "| (a) decode speed-up vs full | "
         "(b) throughput vs same-size cache |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -447,7 +470,8 @@ def markdown(results: dict) -> str:
                 f"| {setting['length']} | {row['method']} | {prefill} "
                 f"| {fmt(peak)}{where} {mark(peak, peak_goal)} "
                 f"| {row['kv_bytes_ratio']:.5f} (= {row['budget']} / {setting['length']}) {'✅' if exact else '❌'} "
-                f"| {fmt(row['decode_speedup_vs_full'], '{:.2f}')} {mark(row['decode_speedup_vs_full'], 1.0, True, strict=True)} "
+                f"| {fmt(row['decode_speedup_vs_full'], '{:.2f}')} "
+                f"{mark(row['decode_speedup_vs_full'], 1.0, True, strict=True)} "
                 f"| {fmt(row['decode_throughput_vs_same_size'])} "
                 f"{mark(row['decode_throughput_vs_same_size'], TARGETS['decode_continuous'], True)} |"
             )
@@ -455,14 +479,16 @@ def markdown(results: dict) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default", choices=["default", *SHAPES],
                         help="the embedded default model, or random weights of a shape (llama3-8b-shape: for a GPU)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--methods", nargs="+", default=list(SCORERS), choices=METHODS,
                         help="default: every registered scorer")
     parser.add_argument("--budget", type=float, default=0.2, help="fraction of the prompt (< 1) or tokens (>= 1)")
-    parser.add_argument("--new-tokens", type=int, default=34, help="decode steps (34 = two eviction batches at slack 16)")
+    parser.add_argument("--new-tokens", type=int, default=34,
+                        help="decode steps (34 = two eviction batches at slack 16)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                         help="torch intra-op thread counts, run one after the other (default: 1 2)")
@@ -472,7 +498,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="default: kvcompress.models.default_dtype(device), i.e. bfloat16 on CUDA and on CPUs with "
                              "native bfloat16 (AVX512-BF16 / AMX), float32 elsewhere")
-    parser.add_argument("--isolated-memory", action="store_true", help="also measure peak RSS in a fresh process per run")
+    parser.add_argument("--isolated-memory", action="store_true",
+                        help="also measure peak RSS in a fresh process per run")
     parser.add_argument("--same-size", choices=["auto", "on", "off"], default="auto",
                         help="target (b): decode beside an uncompressed copy of the model (auto: on CPU only; on a GPU "
                              "the copy of an 8B model doubles memory and time)")

@@ -37,7 +37,11 @@ from transformers import DynamicCache  # noqa: E402
 
 import kvcompress  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    SHAPES, build_model, gpu_description, release_memory, synchronize,
+    SHAPES,
+    build_model,
+    gpu_description,
+    release_memory,
+    synchronize,
 )
 from kvcompress.cache import kv_cache_bytes, state_bytes  # noqa: E402
 

@@ -21,7 +21,14 @@ import yaml
 
 from .benchmark import BENCHMARKS, Benchmark, get_benchmark
 from .config import (
-    ConfigError, check_boolean, check_integer, check_mapping, check_name, check_string, no_unknown_keys, type_name,
+    ConfigError,
+    check_boolean,
+    check_integer,
+    check_mapping,
+    check_name,
+    check_string,
+    no_unknown_keys,
+    type_name,
 )
 
 __all__ = [

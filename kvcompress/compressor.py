@@ -30,12 +30,12 @@ from transformers.cache_utils import DynamicCache
 from . import attention_function
 from .adapters import ModelLayout, inspect_model, value_projection_weight
 from .cache import CompressedLayer, adopt_cache
+from .kernels.attention import observation_counts
+from .kernels.value_norm import projected_value_l1
 from .parameters import KVCacheCompressionParameters
 from .ragged import folded_attention, folded_head_of_new, per_new_slot
 from .rerotation import check_rerotation_supported, rotate_keys
-from .kernels.attention import observation_counts
 from .scoring.base import AttentionCall
-from .kernels.value_norm import projected_value_l1
 from .selection.allocation import pyramid_scored_units
 from .selection.windows import adaptive_scored_units, global_scored_units, left_aligned_indices, select_keep_mask
 from .state import ForwardState, LayerState

@@ -51,7 +51,7 @@ PROMPTS: dict[str, str] = {
     "hotpotqa": _QA_MULTI_DOC,
     "2wikimqa": _QA_MULTI_DOC,
     "musique": _QA_MULTI_DOC,
-    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",
+    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",  # noqa: E501
     "gov_report": (
         "You are given a report by a government agency. Write a one-page summary of the report.\n\nReport:\n"
         "{context}\n\nNow, write a one-page summary of the report.\n\nSummary:"

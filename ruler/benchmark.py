@@ -26,14 +26,26 @@ from typing import Any
 
 from kvbench.benchmark import Benchmark, Prompt
 from kvbench.config import (
-    ConfigError, check_folder, check_integer, check_mapping, check_one_of, check_string, check_string_list,
+    ConfigError,
+    check_folder,
+    check_integer,
+    check_mapping,
+    check_one_of,
+    check_string,
+    check_string_list,
     no_unknown_keys,
 )
 
 from .chat import PROTOCOLS, encode_prompt
 from .generate import PREPARE_SEED, SUBSET, GenerationError, RulerUnavailableError, generate
-from .metrics import average_score, metric_name, postprocess_prediction, score_task
-from .metrics import string_match_all_per_sample, string_match_part_per_sample
+from .metrics import (
+    average_score,
+    metric_name,
+    postprocess_prediction,
+    score_task,
+    string_match_all_per_sample,
+    string_match_part_per_sample,
+)
 from .prompts import max_new_tokens, split_input, task_family
 
 __all__ = ["DataGeneration", "Ruler", "RulerOptions"]

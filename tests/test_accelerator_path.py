@@ -11,8 +11,8 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress
-from tiny_models import TinyTokenizer, random_tokens, tiny_model
 from kvcompress.kernels import attention
+from tiny_models import TinyTokenizer, random_tokens, tiny_model
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ import transformers
 from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.cache import kv_cache_bytes, kv_cache_length
 from kvcompress.scoring.registry import SCORERS
+from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 
 SIZES = dict(start_size=4, intermediate_size=16, recent_size=6)
 PROMPT, NEW = 70, 8

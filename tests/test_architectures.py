@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from tiny_models import TINY_CONFIGS, TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.scoring.registry import SCORERS
+from tiny_models import TINY_CONFIGS, TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 
 PARAMS = KVCacheCompressionParameters(start_size=4, intermediate_size=16, recent_size=8)
 

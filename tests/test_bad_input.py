@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from tiny_models import random_tokens, tiny_model
 
 
 def test_prompt_shorter_than_start_window_is_kept_whole():
@@ -14,7 +14,8 @@ def test_prompt_shorter_than_start_window_is_kept_whole():
     reference = model.generate(ids, max_new_tokens=60, min_new_tokens=60, do_sample=False)
     with KVCacheCompressor(params)(model):
         out = model.generate(ids, max_new_tokens=60, min_new_tokens=60, do_sample=False, return_dict_in_generate=True)
-    assert torch.equal(out.sequences[:, :10 + 47], reference[:, :10 + 47])  # identical until the budget is first exceeded
+    # identical until the budget is first exceeded
+    assert torch.equal(out.sequences[:, :10 + 47], reference[:, :10 + 47])
     assert out.past_key_values.layers[0].keys.shape[-2] <= params.max_cache_size + params.decode_slack
 
 

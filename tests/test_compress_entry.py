@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from tiny_models import TinyTokenizer, random_tokens, tiny_model
 from kvcompress import compress, method_names, preset
 from kvcompress.presets import STREAMING_LLM_SINKS
+from tiny_models import TinyTokenizer, random_tokens, tiny_model
 
 
 def test_slot_budget_is_the_preset():

@@ -9,9 +9,9 @@
 import pytest
 import torch
 
-from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.scoring.registry import SCORERS
+from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 
 CONTEXT, QUESTION, NEW = 70, 9, 12
 

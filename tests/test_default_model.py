@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import torch_threads
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor, models
 from kvcompress.cache import kv_cache_length
+from tiny_models import torch_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from retrieval_methods import method_parameters  # noqa: E402
@@ -125,11 +125,10 @@ def test_kvzip_keeps_ruler_needles_when_the_context_is_compressed_first(default_
     """RULER niah_single_1 (NVIDIA's generator, 1,024 tokens, 8 samples), the context compressed to 20 % before
     the question is seen: KVzip answers as the full cache does, StreamingLLM does not (calibrated in bfloat16
     and float32: full 8, KVzip 8, StreamingLLM 1, SnapKV 0)."""
+    from kvcompress import compress
     from ruler.chat import encode_prompt
     from ruler.generate import RulerUnavailableError, generate
     from ruler.prompts import split_input
-
-    from kvcompress import compress
 
     model, tokenizer = default_model
     try:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from tiny_models import random_tokens, tiny_model
 
 
 @pytest.mark.parametrize("algorithm", ["snapkv", "h2o"])

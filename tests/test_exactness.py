@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tiny_models import TINY_CONFIGS, random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from tiny_models import TINY_CONFIGS, random_tokens, tiny_model
 
 LARGE = dict(start_size=32, intermediate_size=512, recent_size=64)
 
@@ -22,7 +22,8 @@ def test_budget_above_length_is_exact(arch, algorithm):
     model = tiny_model(arch)
     ids = random_tokens(120)
     reference = _generate(model, ids)
-    params = KVCacheCompressionParameters(algorithm=algorithm, window_size=8 if algorithm == "snapkv" else None, **LARGE)
+    window = 8 if algorithm == "snapkv" else None
+    params = KVCacheCompressionParameters(algorithm=algorithm, window_size=window, **LARGE)
     with KVCacheCompressor(params)(model):
         compressed = _generate(model, ids)
     assert torch.equal(reference.sequences, compressed.sequences)

@@ -9,8 +9,8 @@ diagonal mask and the padding masks all run.
 import pytest
 import torch
 
-from tiny_models import torch_threads
 from kvcompress.kernels import attention, native, triton_attention
+from tiny_models import torch_threads
 
 HEADS, KV_HEADS, DIM, CACHED, NEW = 6, 2, 16, 13, 37
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.cache import CompressedLayer
 from kvcompress.scoring.registry import SCORERS
+from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 
 TURNS = (70, 9, 12)  # new tokens of each user turn
 ANSWER = 6

@@ -12,9 +12,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 from kvcompress import KVCacheCompressor
 from kvcompress.cache import kv_cache_bytes
+from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 
 PROMPT, QUESTION = 70, 6
 SIZES = dict(start_size=4, intermediate_size=16, recent_size=8, budget_allocation="global")

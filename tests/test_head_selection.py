@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.scoring.registry import SCORERS
+from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 
 PROMPT, WINDOW = 60, 8
 SIZES = dict(start_size=4, intermediate_size=12, recent_size=8)

@@ -4,8 +4,8 @@ after a normal exit or an exception."""
 import pytest
 import torch
 
-from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from tiny_models import random_tokens, tiny_model
 
 PARAMS = KVCacheCompressionParameters(start_size=4, intermediate_size=16, recent_size=8)
 

@@ -1,11 +1,11 @@
 """A compressed prefill allocates no length × length buffer (issue 6, DESIGN §3 and §8).
 
-H2O scores (and computes the attention output of) every query inside the session's attention function. Doing
-that for every query at once would allocate B · H · L² float32 logits, which is exactly what makes other libraries' H2O unusable at long contexts. The
-scorer works in query chunks whose size is bounded linearly in the forward's length; this test checks the
-consequence on the whole prefill: the largest single allocation ``torch.profiler`` records grows linearly
-(×4 at most, plus slack) when the prompt grows ×4, where a quadratic buffer would grow ×16. The last test
-removes the chunk bound and checks that the same measurement then flags the prefill, so the check can fail.
+H2O scores (and computes the attention output of) every query inside the session's attention function. Doing that
+for every query at once would allocate B · H · L² float32 logits, which is exactly what makes other libraries' H2O
+unusable at long contexts. The scorer works in query chunks whose size is bounded linearly in the forward's length;
+this test checks the consequence on the whole prefill: the largest single allocation ``torch.profiler`` records
+grows linearly (×4 at most, plus slack) when the prompt grows ×4, where a quadratic buffer would grow ×16. The last
+test removes the chunk bound and checks that the same measurement then flags the prefill, so the check can fail.
 """
 
 import contextlib
@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tiny_models import TinyTokenizer, random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.kernels import attention
+from tiny_models import TinyTokenizer, random_tokens, tiny_model
 
 SHORT, LONG = 512, 2048  # the prompt grows ×4: linear buffers grow ≤ ×4, a length² buffer ×16
 LINEAR_GROWTH_LIMIT = 6.0

@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 
-from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 from kvcompress import KVCacheCompressor
 from kvcompress.scoring.registry import SCORERS
+from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 
 # Read from the registry when this module is imported: a scorer registered before (a plugin, another test
 # module) joins the matrix without an edit here.

@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
-from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.scoring.registry import SCORERS
+from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 
 LENGTHS = (90, 61, 120, 37)  # the last one fits in the budget at first: it must evict on its own schedule
 NEW_TOKENS = 24

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from tiny_models import random_tokens, tiny_model
 
 GROUP = 8
 PARAMS = KVCacheCompressionParameters(strategy="per_group", group_size=GROUP, start_size=8, intermediate_size=32,

@@ -7,10 +7,10 @@ import pytest
 import torch
 import transformers
 
-from tiny_models import random_tokens
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.cache import kv_cache_bytes
 from kvcompress.selection.allocation import pyramid_scored_units
+from tiny_models import random_tokens
 
 
 def test_the_schedule_falls_linearly_and_sums_to_the_uniform_total():

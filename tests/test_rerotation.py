@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from tiny_models import random_tokens, tiny_model
 
 
 def _capture_unrotated_keys(model, arch):
@@ -53,7 +53,8 @@ def test_rerotated_keys_match_reencoding_at_compact_positions(arch, strategy):
                     unrotated = torch.cat(captured[layer_index], dim=1)  # (H_kv, seen, d), by true position
                     by_position = {p: unrotated[:, p] for p in range(unrotated.shape[1])}
                     true_positions = state.true_positions[0].tolist()
-                    expected = _expected_cache_keys(model, by_position, true_positions, list(range(len(true_positions))))
+                    expected = _expected_cache_keys(model, by_position, true_positions,
+                                                    list(range(len(true_positions))))
                     torch.testing.assert_close(cache.layers[layer_index].keys, expected, atol=1e-5, rtol=0)
                     assert state.rope_positions[0].tolist() == list(range(len(true_positions)))
                 evictions_checked = session.evictions

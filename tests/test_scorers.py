@@ -14,12 +14,12 @@ import copy
 import pytest
 import torch
 
-from tiny_models import TinyTokenizer, random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from kvcompress.rerotation import rotate_keys
 from kvcompress.scoring.expected_attention import N_SINK, ExpectedAttention
 from kvcompress.scoring.keydiff import KeyDiff
 from kvcompress.scoring.kvzip import FIRST_REQUEST, NEXT_REQUEST, TAIL_TOKENS, KVzip
-from kvcompress.rerotation import rotate_keys
+from tiny_models import TinyTokenizer, random_tokens, tiny_model
 
 PROMPT, CHUNK = 40, 16
 SIZES = dict(start_size=4, intermediate_size=12, recent_size=4)

@@ -9,8 +9,8 @@ norm_sum divides by the number of observing queries.
 import pytest
 import torch
 
-from tiny_models import random_tokens, tiny_model
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from tiny_models import random_tokens, tiny_model
 
 PROMPT, WINDOW, DECODE_STEPS = 40, 8, 3
 

@@ -45,7 +45,8 @@ def reference(queries, keys, values, slot_valid, observed, scaling, maximum):
     kv_heads, total = k.shape[1], k.shape[2]
     groups = heads // kv_heads
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    causal = torch.arange(total, device=q.device)[None, :] <= (total - length + torch.arange(length, device=q.device))[:, None]
+    slots, rows = torch.arange(total, device=q.device), torch.arange(length, device=q.device)
+    causal = slots[None, :] <= (total - length + rows)[:, None]
     allowed = causal[None] & (slot_valid[:, None, :] | ~observed[:, :, None])
     weights = (q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
     output = (weights @ v).transpose(1, 2)

@@ -38,7 +38,8 @@ def speed_table(ours: dict, peer: dict | None) -> list[str]:
         for row in setting["methods"]:
             press = peers.get(length, {}).get(PEERS.get(row["method"], ""), {})
             lines.append(
-                f"| {length} | {row['method']} | {_f(row['prefill_x'])} | {_f(row['peak_x'])} | {_f(row['kv_x'], '{:.3f}')} "
+                f"| {length} | {row['method']} | {_f(row['prefill_x'])} | {_f(row['peak_x'])} "
+                f"| {_f(row['kv_x'], '{:.3f}')} "
                 f"| {_f(row['decode_x'])} | {_f(press.get('prefill_x'))} | {_f(press.get('peak_x'))} "
                 f"| {_f(press.get('kv_x'), '{:.3f}')} ({_f(press.get('kv_effective_x'), '{:.3f}')}) "
                 f"| {_f(press.get('decode_x'))} |")

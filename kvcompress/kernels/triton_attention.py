@@ -221,7 +221,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=[*_VARYING, "stride_vb", "stride_vh", "stride_ob", "stride_om"])
     def _forward(
-        Q, K, V, O, LSE, VALID, OBSERVED,
+        Q, K, V, OUT, LSE, VALID, OBSERVED,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_ob, stride_om, stride_oh,
         kv_heads, groups, length, total, head_dim, scale,
@@ -274,8 +274,8 @@ if triton is not None:
         tl.store(LSE + (batch * kv_heads * groups + head) * length + token, m_i + tl.log2(l_i), mask=real)
         if NEED_OUTPUT:
             out = acc / l_i[:, None]
-            pointers = O + batch * stride_ob + token[:, None] * stride_om + head[:, None] * stride_oh + dims[None, :]
-            tl.store(pointers, out.to(O.dtype.element_ty), mask=real[:, None] & (dims < head_dim)[None, :])
+            pointers = OUT + batch * stride_ob + token[:, None] * stride_om + head[:, None] * stride_oh + dims[None, :]
+            tl.store(pointers, out.to(OUT.dtype.element_ty), mask=real[:, None] & (dims < head_dim)[None, :])
 
     @triton.jit(do_not_specialize=_VARYING)
     def _column_statistics(

@@ -1,1 +1,1 @@
-"""Scoring methods: one module per method behind a registry (``registry.py``), on the kernels of ``kvcompress.kernels``."""
+"""Scoring methods: one module per method behind a registry (``registry.py``), on ``kvcompress.kernels``."""

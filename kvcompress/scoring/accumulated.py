@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..state import by_head
 from ..kernels.attention import observed_attention
+from ..state import by_head
 from .base import AttentionCall, Scorer
 
 

@@ -10,8 +10,18 @@ import pytest
 
 from longbench import metrics
 from longbench.metrics import (
-    classification_score, code_sim_score, count_score, f1_score, fuzz_ratio, normalize_answer, qa_f1_score,
-    qa_f1_zh_score, retrieval_score, retrieval_zh_score, rouge_score, rouge_zh_score,
+    classification_score,
+    code_sim_score,
+    count_score,
+    f1_score,
+    fuzz_ratio,
+    normalize_answer,
+    qa_f1_score,
+    qa_f1_zh_score,
+    retrieval_score,
+    retrieval_zh_score,
+    rouge_score,
+    rouge_zh_score,
 )
 
 IDENTICAL = 2 / (2 + 1e-8)  # rouge's F = 2PR/(P+R+1e-8) at P = R = 1: 0.999999995
@@ -169,7 +179,7 @@ def test_retrieval_needs_paragraph_n_in_the_answer():
         retrieval_score("7", "7")
 
 
-@pytest.mark.parametrize("prediction, expected", [("段落5", 1.0), ("第5段", 1.0), ("段落五", 0.0), ("段落5和段落6", 0.5)])
+@pytest.mark.parametrize("prediction, expected", [("段落5", 1.0), ("第5段", 1.0), ("段落五", 0.0), ("段落5和段落6", 0.5)])  # noqa: E501
 def test_retrieval_zh_score(prediction, expected):
     assert retrieval_zh_score(prediction, "段落5") == expected
 

@@ -9,8 +9,15 @@ import random
 import pytest
 
 from ruler.metrics import (
-    METRICS, average_score, metric_name, postprocess_prediction, score_task, string_match_all,
-    string_match_all_per_sample, string_match_part, string_match_part_per_sample,
+    METRICS,
+    average_score,
+    metric_name,
+    postprocess_prediction,
+    score_task,
+    string_match_all,
+    string_match_all_per_sample,
+    string_match_part,
+    string_match_part_per_sample,
 )
 
 
