@@ -99,10 +99,13 @@ def test_budget_above_prompt_changes_nothing(default_model):
 @pytest.mark.slow
 @needs_model
 def test_snapkv_at_20_percent_keeps_retrieval(default_model):
-    """20 seeded passkey / key-value prompts: SnapKV keeps >= 90% of full-cache accuracy and beats start+recent."""
+    """10 seeded passkey / key-value prompts: SnapKV keeps >= 90% of full-cache accuracy and beats start+recent.
+    The needles sit at every other depth of the 20-prompt set the suite ran before (float32 there: full 18,
+    SnapKV 17, start+recent 2), the depths where the full cache answers both tasks (float32: full 10, SnapKV 10,
+    start+recent 2)."""
     model, tokenizer = default_model
-    samples = make_samples(["passkey", "kv-2"], [1024], RETRIEVAL_DEPTHS, seed=0, tokenizer=tokenizer)
-    assert len(samples) >= 20
+    samples = make_samples(["passkey", "kv-2"], [1024], RETRIEVAL_DEPTHS[1::2], seed=0, tokenizer=tokenizer)
+    assert len(samples) == 10
     correct = {"full": 0, "snapkv-norm_sum": 0, "start+recent": 0}
     for sample in samples:
         input_ids = torch.tensor([sample.input_ids])
@@ -122,9 +125,10 @@ def test_snapkv_at_20_percent_keeps_retrieval(default_model):
 @pytest.mark.slow
 @needs_model
 def test_kvzip_keeps_ruler_needles_when_the_context_is_compressed_first(default_model, tmp_path):
-    """RULER niah_single_1 (NVIDIA's generator, 1,024 tokens, 8 samples), the context compressed to 20 % before
-    the question is seen: KVzip answers as the full cache does, StreamingLLM does not (calibrated in bfloat16
-    and float32: full 8, KVzip 8, StreamingLLM 1, SnapKV 0)."""
+    """RULER niah_single_1 (NVIDIA's generator, 1,024 tokens, 6 samples), the context compressed to 20 % before
+    the question is seen: KVzip answers as the full cache does, StreamingLLM does not. Calibrated on the first 8
+    records in bfloat16 and float32: full 8, KVzip 8, StreamingLLM 1, SnapKV 0; on these 6 (the same records:
+    the generator's first six) in float32: full 6, KVzip 6, StreamingLLM 1."""
     from kvcompress import compress
     from ruler.chat import encode_prompt
     from ruler.generate import RulerUnavailableError, generate
@@ -132,7 +136,7 @@ def test_kvzip_keeps_ruler_needles_when_the_context_is_compressed_first(default_
 
     model, tokenizer = default_model
     try:
-        result = generate("default", "niah_single_1", 1024, 8, 42, tmp_path)
+        result = generate("default", "niah_single_1", 1024, 6, 42, tmp_path)
     except RulerUnavailableError as error:
         pytest.skip(f"RULER's generator is not installed: {error}")
     correct = {"full": 0, "kvzip": 0, "streaming_llm": 0}
@@ -148,9 +152,9 @@ def test_kvzip_keeps_ruler_needles_when_the_context_is_compressed_first(default_
                 session.prefill(context)
                 answer = session.generate(question, max_new_tokens=12)
             correct[method] += record["outputs"][0] in tokenizer.decode(answer[0])
-    assert correct["full"] >= 7, correct
+    assert correct["full"] >= 5, correct
     assert correct["kvzip"] >= correct["full"] - 1, correct
-    assert correct["kvzip"] >= correct["streaming_llm"] + 5, correct
+    assert correct["kvzip"] >= correct["streaming_llm"] + 4, correct
 
 
 @pytest.mark.slow

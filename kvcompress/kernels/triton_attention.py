@@ -28,6 +28,7 @@ float32 model keeps the tokens of its uncompressed run.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -111,7 +112,6 @@ def fused_attention(
     queries, keys = _unit_stride(queries), _unit_stride(keys)
     need_output = values is not None
     values = _unit_stride(values) if need_output else keys
-    output = queries.new_empty(batch, length, heads, head_dim) if need_output else queries.new_empty(0)
     lse = torch.empty(batch, heads, length, device=device, dtype=torch.float32)
     scores = torch.empty(batch, kv_heads, total, device=device, dtype=torch.float32)
     valid = (slot_valid.to(device=device, dtype=torch.int8).contiguous() if slot_valid is not None
@@ -123,9 +123,13 @@ def fused_attention(
         UPCAST=interpreted() or queries.dtype == torch.float32, num_warps=sizes["warps"],
         num_stages=sizes["stages"],
     )
+    flashed = None
     if need_output and slot_valid is None and observed is None and _flash_serves(queries):
-        output, lse = _flash_forward(queries, keys, values, scaling)
+        flashed = _flash_forward(queries, keys, values, scaling)
+    if flashed is not None:
+        output, lse = flashed
     else:
+        output = queries.new_empty(batch, length, heads, head_dim) if need_output else queries.new_empty(0)
         _forward[(triton.cdiv(groups * length, forward_rows), batch * kv_heads)](
             queries, keys, values, output, lse, valid, rows_seen,
             *queries.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
@@ -150,10 +154,27 @@ def _flash_serves(queries: torch.Tensor) -> bool:
     return queries.device.type == "cuda" and queries.dtype != torch.float32 and queries.shape[-1] <= 256
 
 
-def _flash_forward(queries, keys, values, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_forward(queries, keys, values, scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Output (B, q, H, d) and base-2 log-sum-exp (B, H, q) from torch's flash attention: the forward's own tokens
     as a square causal block and, after a cached prefix, the prefix with no mask, merged by their log-sum-exps
-    (flash's causal mask is not aligned to the end of a longer key sequence in every torch)."""
+    (flash's causal mask is not aligned to the end of a longer key sequence in every torch). None where this
+    device's torch has no flash attention for these inputs (the Triton forward then serves, from then on)."""
+    global _flash_failed
+    if _flash_failed:
+        return None
+    try:
+        return _flash_merged(queries, keys, values, scaling)
+    except RuntimeError as error:  # an older GPU, an unsupported head size
+        _flash_failed = True
+        warnings.warn(f"kvcompress: torch's flash attention is unavailable here ({error}); the Triton forward "
+                      "computes the scoring pass's output", RuntimeWarning, stacklevel=3)
+        return None
+
+
+_flash_failed = False
+
+
+def _flash_merged(queries, keys, values, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     base = keys.shape[2] - queries.shape[2]
     own_output, own_lse = _flash(queries, keys[:, :, base:], values[:, :, base:], scaling, causal=True)
     if base == 0:
@@ -235,13 +256,14 @@ if triton is not None:
         token = row // groups
         real = token < length
         dims = tl.arange(0, BLOCK_D)
-        q = _load_rows(Q, batch * stride_qb, stride_qh, stride_qm, kv_head, groups, length, row, dims, head_dim)
+        q = _load_rows(Q, batch.to(tl.int64) * stride_qb, stride_qh, stride_qm, kv_head, groups, length, row, dims,
+                       head_dim)
         if HAS_OBSERVED:
             observed = tl.load(OBSERVED + batch * length + token, mask=real, other=0) != 0
         else:
             observed = real
-        k_base = K + batch * stride_kb + kv_head * stride_kh
-        v_base = V + batch * stride_vb + kv_head * stride_vh
+        k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
+        v_base = V + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
         tokens_seen = (block * BLOCK_M + BLOCK_M - 1) // groups + 1
         if tokens_seen > length:
             tokens_seen = length
@@ -274,7 +296,8 @@ if triton is not None:
         tl.store(LSE + (batch * kv_heads * groups + head) * length + token, m_i + tl.log2(l_i), mask=real)
         if NEED_OUTPUT:
             out = acc / l_i[:, None]
-            pointers = OUT + batch * stride_ob + token[:, None] * stride_om + head[:, None] * stride_oh + dims[None, :]
+            pointers = (OUT + batch.to(tl.int64) * stride_ob + token[:, None] * stride_om + head[:, None] * stride_oh
+                        + dims[None, :])
             tl.store(pointers, out.to(OUT.dtype.element_ty), mask=real[:, None] & (dims < head_dim)[None, :])
 
     @triton.jit(do_not_specialize=_VARYING)
@@ -291,7 +314,8 @@ if triton is not None:
         slot = block * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = slot < total
         dims = tl.arange(0, BLOCK_D)
-        k = tl.load(K + batch * stride_kb + kv_head * stride_kh + slot[None, :] * stride_kn + dims[:, None],
+        k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
+        k = tl.load(k_base + slot[None, :] * stride_kn + dims[:, None],
                     mask=inside[None, :] & (dims < head_dim)[:, None], other=0.0)
         counted = inside
         if HAS_VALID:
@@ -308,7 +332,8 @@ if triton is not None:
             row = start + tl.arange(0, BLOCK_M)
             token = row // groups
             real = token < length
-            q = _load_rows(Q, batch * stride_qb, stride_qh, stride_qm, kv_head, groups, length, row, dims, head_dim)
+            q = _load_rows(Q, batch.to(tl.int64) * stride_qb, stride_qh, stride_qm, kv_head, groups, length, row, dims,
+                           head_dim)
             head = kv_head * groups + row % groups
             lse = tl.load(LSE + (batch * kv_heads * groups + head) * length + token, mask=real, other=0.0)
             if HAS_OBSERVED:
