@@ -160,10 +160,11 @@ def test_kvzip_keeps_ruler_needles_when_the_context_is_compressed_first(default_
 @pytest.mark.slow
 @needs_model
 def test_a_chat_resumes_a_compressed_cache_and_finds_the_first_turns_passkey(default_model):
-    """Turn 1 gives a ~2,000-token text with a passkey and no question; KVzip compresses it to 20 % inside
-    ``generate``; turn 2, a plain ``generate`` on the same cache, asks for the passkey. On 10 prompts the compressed
-    chat answers at most one fewer correctly than the uncompressed one, and its cache stays at about 20 %.
-    (The full cache misses the needles placed early in this two-turn format: calibrated 6 of 10.)"""
+    """Turn 1 gives a ~1,270-token text with a passkey and no question; KVzip compresses it to 20 % inside
+    ``generate``; turn 2, a plain ``generate`` on the same cache, asks for the passkey. On 5 prompts (needles at
+    5 % to 85 % depth) the compressed chat answers at most one fewer correctly than the uncompressed one, and its
+    cache stays at about 20 %. Calibrated in float32 on 10 depths: full 10, KVzip 10 (at ~2,000 tokens, the
+    suite's earlier length, the full cache missed the early needles of this two-turn format: 6 of 10)."""
     from kvcompress import compress
 
     model, tokenizer = default_model
@@ -184,12 +185,12 @@ def test_a_chat_resumes_a_compressed_cache_and_finds_the_first_turns_passkey(def
     correct = {"full": 0, "kvzip": 0}
     # the suite's longest test: both cores
     with torch_threads(max(torch.get_num_threads(), min(2, os.cpu_count() or 1))):
-        for depth in RETRIEVAL_DEPTHS:
-            sample = make_chat_sample("passkey", 2000, depth, 3, tokenizer)
+        for depth in RETRIEVAL_DEPTHS[::2]:
+            sample = make_chat_sample("passkey", 1200, depth, 3, tokenizer)
             correct["full"] += chat(sample)[0]
             with compress(model, method="kvzip", budget=0.2, tokenizer=tokenizer):
                 found, cache = chat(sample)
             correct["kvzip"] += found
             assert kv_cache_length(cache) <= 0.2 * len(sample.first_turn_ids) + 40  # + turn 2 and decode slack
-    assert correct["full"] >= 6, correct
+    assert correct["full"] >= 4, correct
     assert correct["kvzip"] >= correct["full"] - 1, correct
