@@ -19,7 +19,6 @@ Each call runs ``--repeats`` rounds, alternating the candidates; the table gives
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import busy_processes  # noqa: E402
+from benchmarks.common import busy_processes, write_results  # noqa: E402
 from kvcompress.kernels import native  # noqa: E402
 from kvcompress.kernels.attention import observed_attention, prefix_max_attention  # noqa: E402
 
@@ -146,10 +145,7 @@ def main(argv=None) -> None:
             "kernel_input_dtype": str(native.input_dtype(kernel, getattr(torch, args.dtype))).removeprefix("torch."),
             "date": time.strftime("%Y-%m-%d %H:%M"),
         }}
-        out = Path(f"{args.out}_{args.dtype}_t{threads}_busy{args.busy}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-        out.with_suffix(".md").write_text(markdown(results))
+        write_results(f"{args.out}_{args.dtype}_t{threads}_busy{args.busy}", results, markdown(results))
         print(markdown(results))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import json
 import os
 import statistics
 import subprocess
@@ -222,6 +223,15 @@ def busy_processes(count: int):
         for process in processes:
             process.kill()
             process.wait()
+
+
+def write_results(stem: str | Path, results: dict, table: str) -> Path:
+    """``<stem>.json`` (the results) and ``<stem>.md`` (their table), folders created; returns the stem's path."""
+    out = Path(stem)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=float))
+    out.with_suffix(".md").write_text(table)
+    return out
 
 
 def median(values):

@@ -20,7 +20,6 @@ import argparse
 import copy
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import sys
@@ -31,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import budget_tokens, build_model  # noqa: E402
+from benchmarks.common import budget_tokens, build_model, write_results  # noqa: E402
 from kvcompress import KVCacheCompressor  # noqa: E402
 from kvcompress.presets import preset  # noqa: E402
 
@@ -140,10 +139,7 @@ def main(argv=None) -> None:
     table = markdown(result, argv)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        out.with_suffix(".md").write_text(table)
+        out = write_results(args.out, result, table)
         if result["profile"]:
             out.with_name(out.name + "_profile.txt").write_text(result["profile"])
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import platform
 import shlex
@@ -49,6 +48,7 @@ from benchmarks.common import (  # noqa: E402
     release_memory,
     synchronize,
     tiny_tokenizer,
+    write_results,
 )
 
 PRESSES = ("SnapKVPress", "ObservedAttentionPress", "ExpectedAttentionPress", "KVzipPress", "TOVAPress",
@@ -233,10 +233,7 @@ def main(argv=None) -> None:
                 results["runs"].append({"length": length, "threads": threads, "busy": busy, "presses": summary})
                 print(markdown(results).splitlines()[-1], flush=True)
                 if args.out:  # after every block: a run cut short keeps what it measured
-                    out = Path(args.out)
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-                    out.with_suffix(".md").write_text(markdown(results))
+                    write_results(args.out, results, markdown(results))
     print(markdown(results))
 
 

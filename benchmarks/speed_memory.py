@@ -73,6 +73,7 @@ from benchmarks.common import (  # noqa: E402
     ratio,
     release_memory,
     synchronize,
+    write_results,
 )
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
 from kvcompress.cache import kv_cache_bytes, kv_cache_length  # noqa: E402
@@ -539,11 +540,8 @@ def main(argv=None) -> None:
         with busy_processes(args.busy):
             results = benchmark(args)
         results["environment"]["wall_s"] = time.perf_counter() - started
-        out = Path(args.out if len(args.threads) == 1 else f"{args.out}_t{threads}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=float))
         table = markdown(results)
-        out.with_suffix(".md").write_text(table)
+        out = write_results(args.out if len(args.threads) == 1 else f"{args.out}_t{threads}", results, table)
         print(table)
         wall = results["environment"]["wall_s"]
         log(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')} in {wall:.0f} s")

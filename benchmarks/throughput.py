@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import shlex
 import sys
 import time
@@ -42,6 +41,7 @@ from benchmarks.common import (  # noqa: E402
     gpu_description,
     release_memory,
     synchronize,
+    write_results,
 )
 from kvcompress.cache import kv_cache_bytes, state_bytes  # noqa: E402
 
@@ -151,10 +151,7 @@ def main(argv=None) -> None:
     table = markdown(results)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-        out.with_suffix(".md").write_text(table)
+        write_results(args.out, results, table)
 
 
 def markdown(results: dict) -> str:

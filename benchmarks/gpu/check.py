@@ -90,9 +90,7 @@ def kernel_checks(device: str) -> list[dict]:
                                and bool(torch.isfinite(output).all()))
                 except Exception as error:  # noqa: BLE001 - recorded, the next check runs
                     row.update(passed=False, error=_error(error))
-                rows.append(row)
-                print(f"[check] {row}", flush=True)
-                release_memory()
+                _record(rows, row)
     return rows
 
 
@@ -131,12 +129,16 @@ def method_checks(device: str, plan: list[tuple[str, int, str]], deadline: float
                 row["passed"] = row["exact"] and row["finite"] and abs(row["kv_x"] - 0.2) <= 0.02
             except Exception as error:  # noqa: BLE001 - recorded, the next check runs
                 row.update(passed=False, error=_error(error))
-            rows.append(row)
-            print(f"[check] {row}", flush=True)
-            release_memory()
+            _record(rows, row)
         del model
         release_memory()
     return rows
+
+
+def _record(rows: list[dict], row: dict) -> None:
+    rows.append(row)
+    print(f"[check] {row}", flush=True)
+    release_memory()
 
 
 def greedy(model, ids: torch.Tensor) -> list[list[int]]:
