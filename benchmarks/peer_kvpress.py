@@ -32,7 +32,7 @@ Protocols, both through kvpress's own ``KVPressTextGenerationPipeline`` (``pipel
   the question is part of the compressed prefill; only end-of-turn + assistant header + prefix come after.
 
 The token stream is the same in both (user turn = context + question, then the prefix opens the assistant turn),
-which is also the layout our benchmark uses (ruler_spec.md §5).
+which is also the layout our benchmark uses.
 
 Output: one JSONL line per finished (source, index, method, kept, protocol) in ``<out>/peer_kvpress_runs.jsonl``,
 flushed and fsynced per line; a rerun skips finished keys and drops a trailing partial line (kill -9 safe).

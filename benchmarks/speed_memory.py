@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Speed and memory of compressed against uncompressed generation (issue 6, DESIGN §8).
+"""Speed and memory of compressed against uncompressed generation.
 
 For every prompt length, in one process, the uncompressed sdpa run and each compressed run alternate (the order
 is reversed on every other repeat, so drift on a shared machine hits both alike) and the medians are reported:

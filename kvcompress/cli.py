@@ -30,7 +30,7 @@ DEMO_QUESTION = "According to the report, in which city will the new battery fac
 DEMO_ANSWER = "Trondheim"
 DEFAULT_BUDGET = "20%"
 # KVzip keeps what the model needs to reproduce the document: on the demo in bfloat16 it answers where SnapKV at the
-# same budget names the wrong city, and on RULER's needles it keeps the most (benchmarks/results/ruler_smollm2.md).
+# same budget names the wrong city, and on RULER's needles it keeps the most (benchmarks/results/ruler_smollm2/ruler.md).
 DEFAULT_METHOD = "kvzip"
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 SIZE_OPTIONS = ("start_size", "intermediate_size", "recent_size")
@@ -280,10 +280,8 @@ def _report(prompt_tokens: int, params: KVCacheCompressionParameters, full: Gene
 def demo(args: argparse.Namespace, text: str, model, tokenizer) -> None:
     input_ids = _prompt_ids(tokenizer, text)
     params = compression_parameters(args, input_ids.shape[1])
-    # Warm-ups keep one-off costs out of both timings: the first prompt-sized forward pays for its fresh buffers
-    # (measured: 0.89 s instead of 0.66 s for the full cache here), the first compressed one for loading the
-    # compiled attention kernel and the compressor's first hooks (issue 17: the compressed prefill looked 0.7 s
-    # slower than the full one while its compression took 0.5 s).
+    # Warm-ups keep one-off costs out of both timings: the first prompt-sized forward pays for its fresh buffers,
+    # the first compressed one for loading the compiled attention kernel and the compressor's first hooks.
     run_generation(model, tokenizer, input_ids, None, max_new_tokens=1)
     run_generation(model, tokenizer, input_ids[:, :64], compression_parameters(args, 64), max_new_tokens=2)
     _log(f"prompt: {input_ids.shape[1]:,} tokens; generating with the full cache ...")

@@ -126,9 +126,8 @@ _AVX512_LEVELS = ("AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX")
 def cpu_has_native_bfloat16() -> bool:
     """Whether this CPU does bfloat16 arithmetic in hardware (AVX512-BF16 or AMX) and torch uses it.
 
-    Elsewhere (AVX2-only x86, most Arm cores) bfloat16 is emulated: a 1,024-token prefill of the default model
-    took 22.9 s in bfloat16 against 3.8 s in float32 with torch held to AVX2 (``ATEN_CPU_CAPABILITY=avx2``), and
-    4.6 x longer on a real AVX2-only EPYC, while with native support bfloat16 runs about 3 x faster than float32.
+    Elsewhere (AVX2-only x86, most Arm cores) bfloat16 is emulated and several times slower than float32, while
+    with native support it is faster than float32 (docs/default_model.md).
     """
     if torch.backends.cpu.get_cpu_capability() not in _AVX512_LEVELS:
         return False

@@ -23,8 +23,8 @@ def gather_slots(tensor: torch.Tensor, keep: torch.Tensor, dim: int = -2) -> tor
     """Select slots ``keep`` along ``dim`` of a (B, ..., T, ...) tensor: (B, K) for every head alike, or
     (B, H_kv, K) per KV head (then the tensor is (B, H_kv, T) or (B, H_kv, T, d), the slots at dim 2).
 
-    One sequence takes ``index_select`` (measured 2-3 × faster on CPU than ``gather`` with an expanded index);
-    a batch, whose rows keep different slots, takes ``gather``.
+    One sequence takes ``index_select`` (faster on CPU than ``gather`` with an expanded index); a batch, whose
+    rows keep different slots, takes ``gather``.
     """
     if keep.dim() == 3:
         index = keep if tensor.dim() == 3 else keep.unsqueeze(-1).expand(*keep.shape, tensor.shape[-1])

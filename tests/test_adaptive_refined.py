@@ -1,4 +1,4 @@
-"""adaptive_refined_count (reference §5.4) and the shared masked ordering, on hand-computed cases."""
+"""adaptive_refined_count and the shared masked ordering, on hand-computed cases."""
 
 import pytest
 import torch

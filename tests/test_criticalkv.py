@@ -1,4 +1,4 @@
-"""criticalkv_select (reference §8) against hand-built cases and a slow per-row reference."""
+"""criticalkv_select against hand-built cases and a slow per-row reference."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""kvcrush_select (reference §6): a hand-computed example, the documented rules, and a slow per-row reference."""
+"""kvcrush_select: a hand-computed example, the documented rules, and a slow per-row reference."""
 
 from fractions import Fraction
 

@@ -1,4 +1,4 @@
-"""A compressed prefill allocates no length × length buffer (issue 6, DESIGN §3 and §8).
+"""A compressed prefill allocates no length × length buffer.
 
 H2O scores (and computes the attention output of) every query inside the session's attention function. Doing that
 for every query at once would allocate B · H · L² float32 logits, which is exactly what makes other libraries' H2O

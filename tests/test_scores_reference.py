@@ -1,7 +1,7 @@
 """Hook scores against an independent reference: the attention weights eager attention returns.
 
 The reference below re-derives the scores from ``output_attentions`` exactly as the algorithms are specified
-(reference §4-5): H2O sums every query row, SnapKV the last ``window`` rows of a multi-token step (centred
+: H2O sums every query row, SnapKV the last ``window`` rows of a multi-token step (centred
 max-pool, kernel 7, per query head), every decode step adds its row; query heads sum into their KV head;
 norm_sum divides by the number of observing queries.
 """

@@ -21,10 +21,9 @@ What keeps this cheap (it runs inside every forward of every compressed layer):
   chunk's diagonal needs a mask.
 * The query heads of a KV group are stacked as rows of one matrix product against that KV head's keys: the
   keys are neither repeated per query head nor copied or upcast.
-* On CPU, chunks of ``ROW_BLOCK`` query rows keep the logits close to the cache (measured on one thread,
-  SmolLM2 shapes, 4-8k tokens: 32 rows run 1.1-1.3 × an sdpa pass for output and column sums together, chunks
-  sized by memory alone 1.3-1.6 ×); on accelerators, where every chunk costs kernel launches, chunks are as
-  large as memory allows. Never more logits than ``CHUNK_FACTOR`` × the forward's hidden states, so the
+* On CPU, chunks of ``ROW_BLOCK`` query rows keep the logits close to the core's cache (faster than chunks sized
+  by memory alone); on accelerators, where every chunk costs kernel launches, chunks are as large as memory
+  allows. Never more logits than ``CHUNK_FACTOR`` × the forward's hidden states, so the
   transient memory stays linear in the length.
 * Softmax in place in base 2 (``exp2`` is several times faster than ``exp`` on CPU; log2 e rides on the queries),
   its normalisation folded into one matrix-vector product for the column sums and a (rows × d) scaling of the
@@ -302,8 +301,8 @@ def prefix_max_attention(
     """Attention output of a multi-token forward whose queries all see the cached prefix and their own tokens
     causally, and the most softmax weight any query (of any query head of a KV group) gives each prefix slot:
     KVzip's reconstruction pass, where every slot is live and every query observed, on CPU where the compiled
-    kernel is not available (2.2 x faster than the torch chunks of ``observed_attention``, measured on the demo
-    in bfloat16). The forward's own slots score 0 (they leave the cache after the pass).
+    kernel is not available (faster than the torch chunks of ``observed_attention``: two fused calls and one
+    product). The forward's own slots score 0 (they leave the cache after the pass).
 
     The work goes to torch's flash attention in the model's own dtype, twice: the queries against the prefix
     (no mask: every query sees all of it) and against their own tokens (a square causal block), each returning
@@ -334,7 +333,7 @@ def prefix_max_attention(
     output = (prefix_output.float() * (prefix_lse - lse).exp().unsqueeze(-1)
               + own_output.float() * (own_lse - lse).exp().unsqueeze(-1)).to(queries.dtype)
     # (B, H_kv, base, d + 1) keys with 1 appended, against (B, H_kv, d + 1, rows) queries with -lse appended;
-    # keys first, so that the maximum runs along contiguous memory (measured: 1.2-1.7 x faster than rows first)
+    # keys first, so that the maximum runs along contiguous memory
     rows = torch.cat([(queries.float() * scaling).reshape(batch, kv_heads, groups * length, head_dim),
                       -lse.reshape(batch, kv_heads, groups * length, 1)], dim=-1).transpose(-1, -2).contiguous()
     columns = torch.cat([keys[:, :, :base].float(), keys.new_ones(batch, kv_heads, base, 1, dtype=torch.float32)],

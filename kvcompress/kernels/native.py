@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fused_attention.cpp")
 # Query rows per block and keys per block: a block of logits (rows × keys floats) stays in the core's cache while
-# it is exponentiated and multiplied with the values (measured on SmolLM2 shapes, 4-8k tokens, one thread).
+# it is exponentiated and multiplied with the values (chosen on SmolLM2 shapes: benchmarks/attention_kernel.py).
 ROW_BLOCK = 64
 KEY_BLOCK = 512
 STALE_LOCK_SECONDS = 15 * 60
@@ -77,8 +77,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def supports(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """The kernel handles CPU tensors in float32 and bfloat16 (``input_dtype``), float16 through float32 copies
     of one layer's queries, keys and values (the torch implementation it replaces computes in float32 too, chunk
-    by chunk, 3.6 × the uncompressed bfloat16 prefill and 17 × its peak memory on the tiny Llama at 8k); anything
-    else takes the torch implementation."""
+    by chunk, slower and with more memory); anything else takes the torch implementation."""
     return all(t.device.type == "cpu" and t.dtype in _DTYPES for t in (queries, keys, values))
 
 

@@ -1,8 +1,8 @@
-"""‖v·W_o‖₁ of every cached token, the value side of CriticalKV's output-perturbation bound (reference §8.1).
+"""‖v·W_o‖₁ of every cached token, the value side of CriticalKV's output-perturbation bound.
 
 A token's contribution to the attention output of query head h is its attention weight times
 ``u = v_{kv(h)} · W_o[:, h·d:(h+1)·d]ᵀ``; CriticalKV weighs the attention score by ``‖u‖₁``. The norm depends
-only on the value, so it is computed once when a token enters the cache (§8.1 "Cost") and kept next to its
+only on the value, so it is computed once when a token enters the cache and kept next to its
 score.
 """
 
@@ -23,7 +23,7 @@ def projected_value_l1(
     """Mean over all query heads of ``‖v_{kv(h)} · W_o,hᵀ‖₁`` for every token, in float32.
 
     Query head ``h`` reads KV head ``h // num_key_value_groups``. Averaging over the query heads of each GQA
-    group (kvpress ``vwl1norm``) and then over the KV heads (the eviction is head-shared, §2) is the plain mean
+    group (kvpress ``vwl1norm``) and then over the KV heads (the eviction is head-shared) is the plain mean
     over all query heads, since the groups have equal size.
 
     Memory: the per-head projections ``(B, H_q, t, hidden)`` are materialised for ``t`` tokens at a time, with

@@ -15,10 +15,9 @@ well. The header's slots keep score 0 (kvpress evicts them first); the start are
 Scores use the exact softmax of the reconstruction forward over every cached slot (kvpress approximates it over
 4 sinks + the chunk's own slots); the scores lie in [0, 1]. On CPU the reconstruction passes and decode steps run
 in the compiled kernel (``native.py``) in its maximum mode: output and scores in one pass, its work handed to
-threads as they come free. One SmolLM2 layer's pass over a 2k prefix in bfloat16 (benchmarks/attention_kernel.py,
-× one masked sdpa call, which gives no scores): 0.66 / 0.68 at 1 / 2 threads and 0.49 beside a busy process,
-where torch's flash attention on the prefix and the pass's own block plus one float32 product for the scores
-(``prefix_max_attention``, the path without the kernel) takes 1.24 / 1.47 and 2.45.
+threads as they come free, faster than one masked sdpa call that gives no scores (``benchmarks/attention_kernel.py``
+times both, and the path without the kernel, ``prefix_max_attention``); on GPUs in the Triton kernels'
+maximum mode (``kernels/triton_attention.py``).
 
 Decoded tokens, and prompt tokens again, are then scored by the same rule as they are queried: each decode
 step's attention raises a slot's score to the maximum it has received (``combine = "max"``), so a decoded token
@@ -43,11 +42,10 @@ class KVzip(Scorer):
     name = "kvzip"
     combine = "max"
     reconstructs = True
-    # The layers share one budget by score. Measured on RULER niah_single_1 + _2 (SmolLM2, context first, 20
-    # records, configs/ruler/smollm2-2k-heads.yaml): at 10 % kept 10 of 20 with the same budget per layer, 12 with
-    # the layers sharing it, 17 with every (layer, head) sharing it ("global_adaptive", its paper's and kvpress's
-    # selection; kvpress 17); at 20 % 12 / 18 / 18. The preset stays "global": a folded cache is compressed once,
-    # and the preset must keep serving chat turns that compress again.
+    # The layers share one budget by score: reconstruction attention is sharp in some layers and nearly absent in
+    # others (RULER needles with each allocation: benchmarks/results/ruler_runner_smollm2_2k_heads/). Letting every
+    # (layer, head) share it ("global_adaptive") keeps more needles but folds the cache, which is compressed once;
+    # the preset must keep serving chat turns that compress again.
     allocation = "global"
     options = {"chunk_size": 2048}
     minimums = {"chunk_size": 1}

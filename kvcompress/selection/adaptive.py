@@ -52,7 +52,7 @@ def check_num_select(num_select: torch.Tensor, candidates: torch.Tensor) -> None
 def adaptive_refined_count(
     unit_scores: torch.Tensor, candidates: torch.Tensor, budget_units: int, mass: float = 0.9
 ) -> torch.Tensor:
-    """How many of ``budget_units`` the refined selector gets when ``refined_size=0`` (reference §5.4).
+    """How many of ``budget_units`` the refined selector gets when ``refined_size=0``.
 
     The coarse top-k keeps the fewest best-scored candidates that together hold ``mass`` of the row's candidate
     score (``k_min``: the smallest count whose descending cumulative sum reaches ``mass × total``); the refined

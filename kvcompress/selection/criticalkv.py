@@ -1,7 +1,7 @@
-"""CriticalKV two-stage selection (reference §8; kvpress ``CriticalKVPress``).
+"""CriticalKV two-stage selection (kvpress ``CriticalKVPress``).
 
 Evicting a unit perturbs the attention output by roughly its attention weight times ``‖v·W_o‖₁``, and the
-renormalisation over the kept units costs more the less attention mass survives (§8.1). So the selection first
+renormalisation over the kept units costs more the less attention mass survives. So the selection first
 secures attention mass (stage 1: top by score) and then keeps the units whose output contribution is largest
 (stage 2: top by ``(score + ε) · ‖v·W_o‖₁``).
 """

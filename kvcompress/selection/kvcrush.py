@@ -1,10 +1,10 @@
-"""KVCrush representative selection by binary head-behaviour signatures (reference §6).
+"""KVCrush representative selection by binary head-behaviour signatures.
 
 Units the coarse top-k left out are not all alike: some are favoured by one set of heads, some by another.
 KVCrush keeps a few *representatives* spread over those behaviours instead of simply the next-best scores:
 each candidate gets an H-bit signature (bit h = head h ranks it in the top half of the row's candidates,
-§6.1 step 1), the signatures are ordered by Hamming distance to an anchor (step 2–3), and the representatives
-are taken at evenly spaced positions of that order, one per bucket (step 4; GenAI's ``kvcrush.cpp``, §6.2).
+step 1), the signatures are ordered by Hamming distance to an anchor (step 2–3), and the representatives
+are taken at evenly spaced positions of that order, one per bucket (step 4; GenAI's ``kvcrush.cpp``).
 
 Exact rules (all deterministic, per row, independent of the other rows of the batch):
 

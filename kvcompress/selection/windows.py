@@ -1,4 +1,4 @@
-"""Which slots survive an eviction: start window, best of the intermediate area, recent window (reference §2-3).
+"""Which slots survive an eviction: start window, best of the intermediate area, recent window.
 
 Everything is counted on the live tokens of each sequence (its "rank"), not on physical slots, so left padding
 and earlier filler never shift a sequence's windows. Per-group eviction is the same computation on units of

@@ -1,4 +1,4 @@
-"""The official LongBench metrics on hand-computed cases, quirks included (spec §6)."""
+"""The official LongBench metrics on hand-computed cases, quirks included."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The task table against the official configuration files (spec §1 and §3)."""
+"""The task table against the official configuration files."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RULER's metrics, against hand cases derived from the evaluator's definitions (ruler_spec.md §4) and, when the
+"""RULER's metrics, against hand cases derived from the evaluator's definitions and, when the
 package is installed, against its own functions."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kvpress's split of RULER inputs into context, question and answer prefix (ruler_spec.md §8)."""
+"""kvpress's split of RULER inputs into context, question and answer prefix."""
 
 from __future__ import annotations
 
