@@ -7,7 +7,7 @@ import contextlib
 import torch
 import transformers
 
-from kvcompress import KVCacheCompressionParameters
+from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.scoring.registry import scorer_class
 
 torch.set_num_threads(1)
@@ -73,3 +73,25 @@ def scorer_parameters(algorithm: str, **sizes) -> KVCacheCompressionParameters:
 
     window = 8 if scorer_class(algorithm).uses_window else None
     return KVCacheCompressionParameters(algorithm=algorithm, window_size=window, **sizes)
+
+
+BATCH_LENGTHS = (90, 61, 120, 37)  # the last one fits in the budget at first: it must evict on its own schedule
+BATCH_NEW_TOKENS = 24
+
+
+def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, n) prompts as one left-padded batch: ids and 2-D attention mask."""
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.shape[1]:] = prompt[0]
+        mask[row, width - prompt.shape[1]:] = 1
+    return ids, mask
+
+
+def generate_batch(model, params: KVCacheCompressionParameters, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``BATCH_NEW_TOKENS`` greedy tokens per sequence under a session with ``params``."""
+    with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=BATCH_NEW_TOKENS,
+                              min_new_tokens=BATCH_NEW_TOKENS, do_sample=False, pad_token_id=0)[:, ids.shape[1]:]

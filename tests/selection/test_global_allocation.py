@@ -100,13 +100,14 @@ def test_layers_of_different_lengths_equal_the_masked_full_cache(algorithm):
 
 @pytest.mark.parametrize("algorithm", ["kvzip", "snapkv", "expected_attention"])
 def test_padded_batch_matches_solo_runs(algorithm):
-    from test_padded_batches import LENGTHS, _generate, _left_pad
+    from tiny_models import BATCH_LENGTHS as LENGTHS
+    from tiny_models import generate_batch, left_pad
 
     model = tiny_model("llama")
     params = scorer_parameters(algorithm, start_size=4, intermediate_size=24, recent_size=12, decode_slack=4,
                                budget_allocation="global")
     prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
-    batched = _generate(model, params, *_left_pad(prompts))
+    batched = generate_batch(model, params, *left_pad(prompts))
     for row, prompt in enumerate(prompts):
-        alone = _generate(model, params, prompt, torch.ones_like(prompt))
+        alone = generate_batch(model, params, prompt, torch.ones_like(prompt))
         assert torch.equal(batched[row], alone[0]), f"sequence {row} (length {prompt.shape[1]}) diverged"

@@ -20,7 +20,7 @@ from kvcompress import KVCacheCompressionParameters, KVCacheCompressor, models
 from kvcompress.cache import kv_cache_length
 from tiny_models import torch_threads
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from retrieval_methods import method_parameters  # noqa: E402
 from retrieval_tasks import make_samples  # noqa: E402
 
@@ -168,7 +168,7 @@ def test_a_chat_resumes_a_compressed_cache_and_finds_the_first_turns_passkey(def
     from kvcompress import compress
 
     model, tokenizer = default_model
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from retrieval_tasks import make_chat_sample, next_turn_ids
 
     def chat(sample):

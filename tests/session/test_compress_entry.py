@@ -17,11 +17,11 @@ def test_slot_budget_is_the_preset():
 
 
 def test_fraction_is_applied_to_each_prompt_of_a_batch():
-    from test_padded_batches import _left_pad
+    from tiny_models import left_pad
 
     model = tiny_model("llama")
     prompts = [random_tokens(200, seed=1), random_tokens(120, seed=2)]
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts)
     with compress(model, method="snapkv", budget=0.2) as session, torch.no_grad():
         model(ids, attention_mask=mask, use_cache=True)
         kept = session.layers[0].live.tolist()

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import speed_memory  # noqa: E402
 
@@ -81,7 +81,7 @@ def test_throughput_fills_the_memory_with_as_many_sequences_as_fit(tmp_path):
     reads this file (benchmarks/gpu/report.py)."""
     import throughput
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
     import report
 
     out = tmp_path / "gpu" / "throughput_tiny"

@@ -66,10 +66,10 @@ def test_a_padded_batch_equals_each_sequence_alone(head_selection):
     model = _model()
     params = KVCacheCompressionParameters(algorithm="h2o", start_size=4, intermediate_size=24, recent_size=8,
                                           decode_slack=3, budget_allocation="pyramid", head_selection=head_selection)
-    from test_padded_batches import _left_pad
+    from tiny_models import left_pad
 
     prompts = [random_tokens(n, seed=i) for i, n in enumerate((90, 55, 30))]
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts)
 
     def generate(ids, mask):
         with KVCacheCompressor(params)(model):

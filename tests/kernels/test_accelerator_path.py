@@ -1,6 +1,6 @@
 """The accelerator path end to end, on CPU: a session whose fused passes run the Triton kernels (interpreted).
 
-What a GPU run takes beyond the kernels themselves (tests/test_fused_attention.py checks those against float64):
+What a GPU run takes beyond the kernels themselves (tests/kernels/test_fused_attention.py checks those against float64):
 the session hands them the module's queries and the cache, padded batches give them masks, KVzip's
 reconstruction passes give them a prefix and the maximum. Each run is compared with the torch implementation,
 the reference on every device: the same tokens, and at 25 % kept the same slots.

@@ -42,7 +42,7 @@ def test_registered_scorer_is_accepted_by_the_parameters(monkeypatch):
 def test_a_scorer_registered_in_a_test_module_joins_the_method_matrix(pytester):
     pytester.makepyfile(test_plugin_scorer=f"""
 import sys
-sys.path.insert(0, {str(TESTS)!r})
+sys.path[:0] = [{str(TESTS)!r}, {str(TESTS.parent)!r}]
 import torch
 from kvcompress.scoring.base import Scorer
 from kvcompress.scoring.registry import register

@@ -159,9 +159,9 @@ def test_a_cache_filled_outside_the_session_is_refused():
 
 def _two_turns(model, params, prompts, follow_ups):
     """Two generate turns of a left-padded batch (or one sequence); returns each row's answers."""
-    from test_padded_batches import _left_pad
+    from tiny_models import left_pad
 
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts)
     width = ids.shape[-1]
     with KVCacheCompressor(params)(model), torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=ANSWER, min_new_tokens=ANSWER, do_sample=False,

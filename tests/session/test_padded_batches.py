@@ -7,26 +7,8 @@ import torch
 
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.scoring.registry import SCORERS
-from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
-
-LENGTHS = (90, 61, 120, 37)  # the last one fits in the budget at first: it must evict on its own schedule
-NEW_TOKENS = 24
-
-
-def _left_pad(prompts):
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - prompt.shape[1]:] = prompt[0]
-        mask[row, width - prompt.shape[1]:] = 1
-    return ids, mask
-
-
-def _generate(model, params, ids, mask):
-    with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model):
-        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                              do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
+from tiny_models import BATCH_LENGTHS as LENGTHS
+from tiny_models import generate_batch, left_pad, random_tokens, scorer_parameters, tiny_model
 
 
 @pytest.mark.parametrize("algorithm, strategy, rerotate, head_selection", list(
@@ -40,9 +22,9 @@ def test_each_sequence_matches_its_solo_run(algorithm, strategy, rerotate, head_
         head_selection=head_selection,
     )
     prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
-    batched = _generate(model, params, *_left_pad(prompts))
+    batched = generate_batch(model, params, *left_pad(prompts))
     for row, prompt in enumerate(prompts):
-        alone = _generate(model, params, prompt, torch.ones_like(prompt))
+        alone = generate_batch(model, params, prompt, torch.ones_like(prompt))
         assert torch.equal(batched[row], alone[0]), f"sequence {row} (length {prompt.shape[1]}) diverged"
 
 
@@ -56,9 +38,9 @@ def test_every_scorer_gives_each_sequence_its_solo_run(algorithm, head_selection
                                scorer_options={"chunk_size": 32} if algorithm == "kvzip" else {},
                                head_selection=head_selection)
     prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
-    batched = _generate(model, params, *_left_pad(prompts))
+    batched = generate_batch(model, params, *left_pad(prompts))
     for row, prompt in enumerate(prompts):
-        alone = _generate(model, params, prompt, torch.ones_like(prompt))
+        alone = generate_batch(model, params, prompt, torch.ones_like(prompt))
         assert torch.equal(batched[row], alone[0]), f"sequence {row} (length {prompt.shape[1]}) diverged"
 
 
@@ -66,7 +48,7 @@ def test_pads_are_evicted_first_and_windows_count_real_tokens():
     model = tiny_model("llama")
     params = KVCacheCompressionParameters(start_size=4, intermediate_size=24, recent_size=12)
     prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts)
     with KVCacheCompressor(params)(model) as session, torch.no_grad():
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real-token positions, as generate gives them
         out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
@@ -85,7 +67,7 @@ def test_padded_batches_on_other_architectures(arch):
     model = tiny_model(arch)
     params = KVCacheCompressionParameters(start_size=4, intermediate_size=24, recent_size=12, decode_slack=4)
     prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
-    batched = _generate(model, params, *_left_pad(prompts))
+    batched = generate_batch(model, params, *left_pad(prompts))
     for row, prompt in enumerate(prompts):
-        alone = _generate(model, params, prompt, torch.ones_like(prompt))
+        alone = generate_batch(model, params, prompt, torch.ones_like(prompt))
         assert torch.equal(batched[row], alone[0]), f"sequence {row} (length {prompt.shape[1]}) diverged"
