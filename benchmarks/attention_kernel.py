@@ -130,7 +130,7 @@ def main(argv=None) -> None:
     parser.add_argument("--busy", type=int, default=0, help="busy processes (a Python loop each) beside")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/results/attention_kernel")
+    parser.add_argument("--out", default="results/attention_kernel")
     args = parser.parse_args(argv)
     kernel = native.kernel()
     if kernel is None:

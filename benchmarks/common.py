@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "results"
 DEMO_TEXT = ROOT / "kvcompress" / "data" / "demo_report.txt"
 CHAT_TEMPLATE = (  # for the random models' tokenizer: a user turn, then the assistant's
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"

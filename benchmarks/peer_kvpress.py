@@ -8,7 +8,7 @@ Runs under a separate virtualenv, never the project's (kvpress 0.5.5 pins transf
 
     /work/peer-venv/bin/python benchmarks/peer_kvpress.py \
         --data out/ruler/niah_single_1_2048/validation.jsonl out/ruler/niah_single_2_2048/validation.jsonl \
-        --limit 10 --kept 0.1 0.2 0.4 --out benchmarks/results/peer_kvpress
+        --limit 10 --kept 0.1 0.2 0.4 --out results/peer_kvpress
 
 Model: the project's converted SmolLM2-135M-Instruct folder (``kvcompress.models.converted_model_dir()``, a plain
 ``save_pretrained`` folder written by transformers 5.24). transformers 5.2.0 loads it as it is -- config
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32,
                     help="greedy decode budget; 0 = RULER's per-task value (niah 128, vt 30, cwe 120, fwe 50, qa 32)")
     ap.add_argument("--model", type=Path, default=None, help="converted model folder (default: project's cache)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "peer_kvpress")
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "peer_kvpress")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite the summary from the results file")
     args = ap.parse_args(argv)
 

@@ -4,9 +4,9 @@ against its own uncompressed sdpa run in the same process, on the same random-we
 Runs under the peer's virtualenv (kvpress pins transformers < 5.3; see ``peer_kvpress.py`` for its set-up)::
 
     /work/peer-venv/bin/python benchmarks/peer_kvpress_speed.py --threads 1 2 --busy 0 1 \\
-        --out benchmarks/results/peer_kvpress/speed_tiny512
+        --out results/peer_kvpress/speed_tiny512
     python benchmarks/peer_kvpress_speed.py --device cuda --model llama3-8b-shape --lengths 8192 32768 \\
-        --new-tokens 16 --out benchmarks/results/gpu/peer_kvpress_llama3-8b      # on a GPU (benchmarks/gpu/run.sh)
+        --new-tokens 16 --out results/gpu/peer_kvpress_llama3-8b      # on a GPU (benchmarks/gpu/run.sh)
 
 For each length, thread count and number of busy processes beside, the uncompressed run and each press alternate
 (order reversed on every other repeat) and the medians give the ratios, ``--budget`` of the prompt kept

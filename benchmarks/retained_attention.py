@@ -6,7 +6,7 @@ Each method compresses the same prompt; its retained share is the attention mass
 kept, divided by their mass on the whole prompt, averaged over layers, heads and answer tokens. 1.0 means the
 method kept everything the answer looked at. Offline, on the embedded default model.
 
-    python benchmarks/retained_attention.py --budget-fraction 0.2 --out benchmarks/results/retained_attention.md
+    python benchmarks/retained_attention.py --budget-fraction 0.2 --out results/retained_attention.md
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--budget-fraction", type=float, default=0.2)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/retained_attention.md"))
+    parser.add_argument("--out", type=Path, default=Path("results/retained_attention.md"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_default_model(attn_implementation="eager")

@@ -7,7 +7,7 @@ compression, not the model. Budgets are fractions of each prompt's token count. 
 ``<stem>.csv``, ``<stem>.json``, ``<stem>.md`` (with the command) and ``<stem>.png``.
 
     python benchmarks/retrieval.py --quick          # about 2 minutes: one length, two methods, one budget
-    python benchmarks/retrieval.py                  # the full sweep (see benchmarks/results/retrieval.md)
+    python benchmarks/retrieval.py                  # the full sweep (see results/retrieval.md)
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=list(DTYPES), default="auto",
                         help="auto: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else float32")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     parser.add_argument("--resume", action="store_true", help="keep the runs already recorded and do the rest")
     parser.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK}")
     args = parser.parse_args(argv)

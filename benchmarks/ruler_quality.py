@@ -63,9 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="greedy tokens (RULER allows 128 for niah; a 7-digit answer and the stop need < 20)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data-dir", type=Path, default=ROOT / "out" / "ruler")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ruler_smollm2")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "ruler_smollm2")
     parser.add_argument("--peer", type=Path,
-                        default=ROOT / "benchmarks" / "results" / "peer_kvpress" / "peer_kvpress_runs.jsonl",
+                        default=ROOT / "results" / "peer_kvpress" / "peer_kvpress_runs.jsonl",
                         help="kvpress runs on the same prompts (benchmarks/peer_kvpress.py), shown beside ours")
     parser.add_argument("--resume", action="store_true", help="keep the runs already recorded and do the rest")
     return parser.parse_args(argv)

@@ -34,7 +34,7 @@ its own ``<out>_t<threads>`` files when more than one is given.
 Example (the committed CPU results)::
 
     python benchmarks/speed_memory.py --model default --lengths 4096 8192 --methods snapkv h2o \
-        --budget 0.2 --new-tokens 68 --repeats 3 --threads 1 --out benchmarks/results/speed_memory_default
+        --budget 0.2 --new-tokens 68 --repeats 3 --threads 1 --out results/speed_memory_default
 """
 
 from __future__ import annotations
@@ -509,7 +509,7 @@ def parse_args(argv=None):
                              "then run as timed) instead of on 64 tokens")
     parser.add_argument("--deadline-s", type=float, default=0.0,
                         help="start no run after this many seconds (0: none); what was measured is reported")
-    parser.add_argument("--out", default="benchmarks/results/speed_memory")
+    parser.add_argument("--out", default="results/speed_memory")
     parser.add_argument("--from-json", default=None, help="only re-render the Markdown of an earlier run's JSON")
     parser.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -13,7 +13,7 @@ ms per step, aggregate tokens per second and, on a GPU, the peak memory of the d
 Example (the committed GPU results, see ``benchmarks/gpu/run.sh``)::
 
     python benchmarks/throughput.py --device cuda --model llama3-8b-shape --length 32768 --budget 0.2 \
-        --methods none snapkv kvzip --memory-gib 100 --out benchmarks/results/gpu/throughput_llama3-8b
+        --methods none snapkv kvzip --memory-gib 100 --out results/gpu/throughput_llama3-8b
 """
 
 from __future__ import annotations

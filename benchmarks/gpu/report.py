@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """The GPU table of the README from a folder of GPU results (``benchmarks/gpu/run.sh``'s output, committed as
-``benchmarks/results/gpu/``): kvcompress's ``speed_*.json`` beside kvpress's ``peer_kvpress_*.json``, the
+``results/gpu/``): kvcompress's ``speed_*.json`` beside kvpress's ``peer_kvpress_*.json``, the
 throughput and the correctness check. Writes ``summary.md`` in that folder and prints it.
 
-    python benchmarks/gpu/report.py benchmarks/results/gpu
+    python benchmarks/gpu/report.py results/gpu
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def throughput_table(data: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    folder = Path((argv or sys.argv[1:] or ["benchmarks/results/gpu"])[0])
+    folder = Path((argv or sys.argv[1:] or ["results/gpu"])[0])
     lines = ["# GPU results", ""]
     check = folder / "check.json"
     if check.is_file():

@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu/run.sh --quick    the same at 8192 only, fewer methods, no throughput (~3 min)
 # Each phase runs under a time limit of its own (a soft deadline inside the script, a hard `timeout` around it) and
 # whatever the phase before it did; results land in $OUT (log.txt, check.json, speed_*.json/md, throughput_*.json,
-# peer_kvpress_*.json/md), to be committed under benchmarks/results/gpu/.
+# peer_kvpress_*.json/md), to be committed under results/gpu/.
 # Environment overrides serve a smoke test on CPU (about a minute):
 #   DEVICE=cpu MODEL=tiny-llama LENGTHS=256 THROUGHPUT_LENGTH=256 MEMORY_GIB=1.1 CHECK_PLAN=tiny-llama:256:float32 \
 #   PY=.venv/bin/python PEER_PY=/work/peer-venv/bin/python OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh

@@ -43,7 +43,7 @@ class KVzip(Scorer):
     combine = "max"
     reconstructs = True
     # The layers share one budget by score: reconstruction attention is sharp in some layers and nearly absent in
-    # others (RULER needles with each allocation: benchmarks/results/ruler_runner_smollm2_2k_heads/). Letting every
+    # others (RULER needles with each allocation: results/ruler_runner_smollm2_2k_heads/). Letting every
     # (layer, head) share it ("global_adaptive") keeps more needles but folds the cache, which is compressed once;
     # the preset must keep serving chat turns that compress again.
     allocation = "global"

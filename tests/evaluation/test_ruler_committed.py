@@ -19,7 +19,7 @@ from ruler.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "ruler" / "smollm2-2k.yaml"
-COMMITTED = REPO / "benchmarks" / "results" / "ruler_runner_smollm2_2k"
+COMMITTED = REPO / "results" / "ruler_runner_smollm2_2k"
 TASK = "niah_single_1"
 
 pytest.importorskip("long_context_eval", reason="RULER generation needs nvidia-long-context-eval")
