@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from . import attention_function
 from .adapters import ModelLayout, inspect_model, value_projection_weight
+from .attention_function import install as install_attention_function
 from .cache import CompressedLayer, adopt_cache
 from .kernels.attention import observation_counts
 from .kernels.value_norm import projected_value_l1
@@ -167,7 +167,7 @@ class CompressionSession:
             )
             self._handles.append(layout.decoder.register_forward_hook(self._after_decoder, with_kwargs=True))
             compressed = [layout.attention_modules[i] for i in layout.compressed_layers]
-            self._restore_attention = attention_function.install(compressed, self._attend)
+            self._restore_attention = install_attention_function(compressed, self._attend)
         except BaseException:
             self._detach()
             raise

@@ -11,10 +11,12 @@ import enum
 from pathlib import Path
 from typing import Any, Mapping
 
+from .scoring.catalogue import SCORERS, scorer_class
+
 
 class KVCacheCompressionMode(str, enum.Enum):
     """The built-in scoring methods, for code that prefers constants to strings. ``algorithm`` takes any name
-    in the scorer registry (``kvcompress.scoring.registry.SCORERS``), these and the ones registered later."""
+    in the scorer catalogue (``kvcompress.scoring.catalogue.SCORERS``), these and the ones registered later."""
 
     H2O = "h2o"
     SNAPKV = "snapkv"
@@ -75,8 +77,6 @@ class KVCacheCompressionParameters:
     scorer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        from .scoring.registry import scorer_class
-
         if isinstance(self.algorithm, enum.Enum):
             object.__setattr__(self, "algorithm", self.algorithm.value)
         self._check_types()
@@ -88,7 +88,7 @@ class KVCacheCompressionParameters:
         if scorer.uses_window and self.window_size is None:
             object.__setattr__(self, "window_size", DEFAULT_SNAPKV_WINDOW)
         if not scorer.uses_window and self.window_size is not None:
-            windowed = [name for name, cls in _registered().items() if cls.uses_window]
+            windowed = [name for name, cls in SCORERS.items() if cls.uses_window]
             raise ValueError(
                 f"window_size is only allowed with algorithm={' or '.join(map(repr, windowed))} (the methods that "
                 f"observe a window); got window_size={self.window_size} with algorithm={self.algorithm!r}"
@@ -98,8 +98,6 @@ class KVCacheCompressionParameters:
     @property
     def scorer(self) -> type:
         """The registered class of ``algorithm`` (``kvcompress.scoring.base.Scorer``)."""
-        from .scoring.registry import scorer_class
-
         return scorer_class(self.algorithm)
 
     # ------------------------------------------------------------------ validation
@@ -288,12 +286,6 @@ class KVCacheCompressionParameters:
                 f"start_size + recent_size ({start_size} + {recent_size}) exceed the budget {budget}"
             )
         return cls(start_size=start_size, recent_size=recent_size, intermediate_size=intermediate, **overrides)
-
-
-def _registered() -> dict:
-    from .scoring.registry import SCORERS
-
-    return SCORERS
 
 
 _INT_FIELDS = {

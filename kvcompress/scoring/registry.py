@@ -1,12 +1,14 @@
-"""The scoring methods by name: what ``algorithm`` may be, and where the session finds the method's class.
+"""Registering scoring methods: the built-in ones below, and ``register`` for the user's own.
 
 Adding a method is one module under ``kvcompress/scoring/`` with a ``Scorer`` subclass and one line below (or a
-``register`` call from the user's own code); parameters, presets and the tests' method matrix read this table.
+``register`` call from the user's own code); the table itself (``catalogue.py``) is what parameters, presets and
+the tests' method matrix read.
 """
 
 from __future__ import annotations
 
 from .base import Scorer
+from .catalogue import SCORERS, scorer_class
 from .expected_attention import ExpectedAttention
 from .h2o import H2O
 from .keydiff import KeyDiff
@@ -14,8 +16,6 @@ from .knorm import Knorm
 from .kvzip import KVzip
 from .snapkv import SnapKV
 from .tova import TOVA
-
-SCORERS: dict[str, type[Scorer]] = {}
 
 
 def register(scorer: type[Scorer]) -> type[Scorer]:
@@ -29,12 +29,7 @@ def register(scorer: type[Scorer]) -> type[Scorer]:
     return scorer
 
 
-def scorer_class(name: str) -> type[Scorer]:
-    try:
-        return SCORERS[name]
-    except KeyError:
-        raise ValueError(f"algorithm must be one of {', '.join(map(repr, SCORERS))}, got {name!r}") from None
-
+__all__ = ["SCORERS", "register", "scorer_class"]
 
 for _builtin in (SnapKV, H2O, KVzip, ExpectedAttention, TOVA, KeyDiff, Knorm):
     register(_builtin)
