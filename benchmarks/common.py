@@ -96,12 +96,6 @@ def describe_shape(name: str) -> str:
             f"{fields['vocab_size']}")
 
 
-def budget_tokens(budget: float, length: int, group_size: int = 1) -> int:
-    """A budget given as a fraction of the prompt (< 1) or as tokens (>= 1), in whole groups."""
-    tokens = int(round(budget * length)) if budget < 1 else int(budget)
-    return max(tokens // group_size * group_size, 1)
-
-
 # ---------------------------------------------------------------------------------------------------- memory
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as handle:

@@ -30,8 +30,9 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import budget_tokens, build_model, write_results  # noqa: E402
+from benchmarks.common import build_model, write_results  # noqa: E402
 from kvcompress import KVCacheCompressor  # noqa: E402
+from kvcompress.budget import budget_slots  # noqa: E402
 from kvcompress.presets import preset  # noqa: E402
 
 
@@ -63,7 +64,7 @@ def measure(args) -> dict:
     torch.set_num_threads(args.threads)
     model, tokenizer, (low, high), described = build_model(args.model, "cpu", getattr(torch, args.dtype))
     prompt = torch.randint(low, high, (1, args.length), generator=torch.Generator().manual_seed(0))
-    budget = budget_tokens(args.budget, args.length)
+    budget = budget_slots(args.budget if args.budget < 1 else int(args.budget), args.length)
     decoders = {
         "same-size": Decoder(copy.deepcopy(model), tokenizer, prompt[:, :budget]),
         "session, no eviction": Decoder(copy.deepcopy(model), tokenizer, prompt,

@@ -37,8 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 from kvbench.generation import cache_bytes  # noqa: E402
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
+from kvcompress.budget import budget_slots  # noqa: E402
 from kvcompress.models import load_default_model  # noqa: E402
-from kvcompress.presets import NONE, budget_slots, method_names, preset  # noqa: E402
+from kvcompress.presets import NONE, method_names, preset  # noqa: E402
 from ruler.chat import PROTOCOLS, encode_prompt  # noqa: E402
 from ruler.generate import generate as generate_ruler  # noqa: E402
 from ruler.metrics import postprocess_prediction, string_match_all_per_sample  # noqa: E402

@@ -63,7 +63,6 @@ import kvcompress  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     SHAPES,
     PeakMemory,
-    budget_tokens,
     build_model,
     busy_processes,
     cpu_memory_method,
@@ -76,6 +75,7 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
+from kvcompress.budget import budget_slots  # noqa: E402
 from kvcompress.cache import kv_cache_bytes, kv_cache_length  # noqa: E402
 from kvcompress.presets import NONE, STREAMING_LLM, method_names, preset  # noqa: E402
 
@@ -98,7 +98,9 @@ TARGETS = {
 
 # ---------------------------------------------------------------------------------------------------- models
 def method_budget(budget: float, length: int, method: str) -> int:
-    return budget_tokens(budget, length, GROUP_SIZE if "per-group" in method else 1)
+    """``--budget`` (a fraction below 1, else slots) for one prompt, in whole pages for the per-group variants."""
+    group = GROUP_SIZE if "per-group" in method else 1
+    return max(budget_slots(budget if budget < 1 else int(budget), length) // group * group, 1)
 
 
 def method_parameters(method: str, budget: int) -> KVCacheCompressionParameters | None:

@@ -165,8 +165,9 @@ def _preset_name(method: str) -> str:
 def _build_parameters(method: str, budget: int | float | None, fields: dict[str, Any], key: str) -> Any:
     """kvcompress's preset when a budget is given (a fraction is checked on a 1,024-token prompt), else the
     explicit fields; kvcompress's own errors get the key prefixed (``key.field`` when they name one)."""
+    from kvcompress.budget import budget_slots
     from kvcompress.parameters import KVCacheCompressionParameters
-    from kvcompress.presets import budget_slots, preset
+    from kvcompress.presets import preset
 
     try:
         if budget is not None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from .budget import budget_slots
 from .cache import kv_cache_bytes, kv_cache_length
 from .compressor import KVCacheCompressor
 from .parameters import AGGREGATIONS, KVCacheCompressionParameters
@@ -47,7 +48,9 @@ class Budget:
     fraction: float | None = None
 
     def resolve(self, prompt_tokens: int) -> int:
-        return self.slots if self.slots is not None else max(1, round(self.fraction * prompt_tokens))
+        if self.slots is not None:
+            return self.slots
+        return prompt_tokens if self.fraction == 1 else budget_slots(self.fraction, prompt_tokens)
 
 
 def parse_budget(text: str) -> Budget:

@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicCache
 
 from .adapters import ModelLayout, inspect_model, value_projection_weight
 from .attention_function import install as install_attention_function
+from .budget import BudgetPlan, budget_slots, check_budget
 from .cache import CompressedLayer, adopt_cache
 from .kernels.attention import observation_counts
 from .kernels.value_norm import projected_value_l1
@@ -36,7 +37,6 @@ from .parameters import KVCacheCompressionParameters
 from .ragged import folded_attention, folded_head_of_new, per_new_slot
 from .rerotation import check_rerotation_supported, rotate_keys
 from .scoring.base import AttentionCall
-from .selection.allocation import pyramid_scored_units
 from .selection.windows import adaptive_scored_units, global_scored_units, left_aligned_indices, select_keep_mask
 from .state import ForwardState, LayerState
 
@@ -83,7 +83,7 @@ def compress(
     (applied per sequence of a batch). ``overrides`` set any other parameter (``strategy="per_group"``, ...).
     ``tokenizer`` serves methods that build prompts of their own (KVzip).
     """
-    from .presets import NONE, budget_slots, check_budget, preset
+    from .presets import NONE, preset
 
     if method == NONE:
         raise ValueError("method='none' keeps the full cache: run the model without kvcompress.compress")
@@ -116,13 +116,9 @@ class CompressionSession:
         new sequence's slots follow its prompt's real tokens, and the parameters are those of the batch's
         longest prompt; a shorter prompt of a batch keeps the same windows and a smaller scored area."""
         self.model = model
-        self.parameters = parameters
         self.tokenizer = tokenizer
+        self.budget = BudgetPlan(parameters, prompt_budget, prompt_parameters)
         self.scorer = parameters.scorer(parameters)
-        self._prompt_budget, self._prompt_parameters = prompt_budget, prompt_parameters
-        # each compressed layer's scored area per sequence, where it is not the parameters' (set per sequence)
-        # and its smallest value, read from the device once per sequence
-        self._sequence_units: dict[int, tuple[torch.Tensor, int]] = {}
         self.layout: ModelLayout | None = None
         self.cache: DynamicCache | None = None  # the cache of the latest forward (its layers own their state)
         self.evictions = 0  # forwards of the cache's sequence that evicted
@@ -253,6 +249,11 @@ class CompressionSession:
         return sequences[:, input_ids.shape[1]:]
 
     @property
+    def parameters(self) -> KVCacheCompressionParameters:
+        """The parameters in force (a fractional budget's are those of the current sequence's prompt)."""
+        return self.budget.parameters
+
+    @property
     def compressed_layers(self) -> list[int]:
         return self.layout.compressed_layers
 
@@ -309,8 +310,11 @@ class CompressionSession:
         new_valid = self._new_token_validity(mask, batch, length, seen, device)
         if seen == 0:
             self.evictions = 0
-            row_units = self._fit_budget(new_valid) if self._prompt_parameters is not None else None
-            self._sequence_units = self._initial_units(row_units, batch, device)
+            previous = self.parameters
+            params = self.budget.start_sequence(new_valid, self.compressed_layers)
+            if params != previous:
+                self.scorer = params.scorer(params)
+                self.scorer.bind(self.model, self.tokenizer)
         given = kwargs.get("position_ids")
         # without position ids transformers numbers the new tokens after the cache's true length, as we do
         true_positions = given.expand(batch, -1) if given is not None else (
@@ -356,11 +360,11 @@ class CompressionSession:
             )
         due, self._due = self._due, []
         reconstruct, self._reconstruct_due = self._reconstruct_due, False
-        slack = self._eviction_slack(forward.valid.shape[-1])
+        slack = self.budget.slack(forward.valid.shape[-1], self._evicting)
         if reconstruct:
             # as in _evict: only the sequences over budget evict now (and are reconstructed), as they would alone
             state = due[0][1].state
-            over = state.live > self._layer_budget(state) + slack
+            over = state.live > self.budget.layer_slots(state) + slack
             self._reconstruct(self.cache, self._forward_tokens, forward, forward.valid & over[:, None])
         self._forward_tokens = None
         if due:  # a decode step's evictions, or a prompt's whose layers share one budget or were reconstructed
@@ -407,33 +411,6 @@ class CompressionSession:
             for index, snapshot in sliding.items():
                 cache.layers[index].__dict__.update(snapshot)
         self.timings["reconstruction"] += time.perf_counter() - started
-
-    def _fit_budget(self, prompt_valid: torch.Tensor) -> torch.Tensor:
-        """A fractional budget meets a new prompt: the parameters of the longest prompt of the batch, and each
-        sequence's scored area (B,) from its own prompt's real tokens."""
-        lengths = prompt_valid.sum(-1).tolist()
-        params = self._prompt_parameters(max(lengths))
-        if params != self.parameters:
-            self.parameters, self.scorer = params, params.scorer(params)
-            self.scorer.bind(self.model, self.tokenizer)
-        windows = params.start_size + params.recent_size
-        return torch.tensor(
-            [max(0, self._prompt_budget(n) - windows) // params.unit_size for n in lengths], device=prompt_valid.device
-        )
-
-    def _initial_units(self, base: torch.Tensor | None, batch: int,
-                       device: torch.device) -> dict[int, tuple[torch.Tensor, int]]:
-        """Each compressed layer's scored area per sequence when a sequence starts, where it is not the
-        parameters' uniform one (a fractional budget's per-sequence areas ``base`` (B,), PyramidKV's per-layer
-        schedule), with its smallest value."""
-        params, layers = self.parameters, self.compressed_layers
-        if params.budget_allocation != "pyramid":
-            return {} if base is None else dict.fromkeys(layers, (base, int(base.min())))
-        if base is None:
-            base = torch.full((batch,), self._uniform_units(), dtype=torch.long, device=device)
-        shares = pyramid_scored_units(base, len(layers), params.pyramid_beta)
-        fewest = shares.min(-1).values.tolist()
-        return {index: (shares[number], fewest[number]) for number, index in enumerate(layers)}
 
     @staticmethod
     def _new_token_validity(mask, batch: int, length: int, seen: int, device) -> torch.Tensor:
@@ -531,9 +508,7 @@ class CompressionSession:
         if layer.state is None:
             layer.state = LayerState.empty(keys.shape[0], keys.shape[1], keys.device,
                                            per_head=self.parameters.head_selection == "per_head")
-            if index in self._sequence_units:
-                units, fewest = self._sequence_units[index]
-                layer.state.set_scored_units(units.clone(), fewest)
+            self.budget.start_layer(layer.state, index)
         return layer.state
 
     def _record(self, module: nn.Module, layer: CompressedLayer, head_scores: torch.Tensor | None) -> None:
@@ -556,8 +531,8 @@ class CompressionSession:
         state.append(head_scores, counts, forward.positions, forward.true_positions, forward.valid, value_norms,
                      combine=self.scorer.combine)
         self.timings["scoring"] += time.perf_counter() - started
-        slack = self._eviction_slack(length)
-        if total > self._smallest_budget(state) + slack:
+        slack = self.budget.slack(length, self._evicting)
+        if total > self.budget.fewest_slots(state) + slack:
             scored_later = self.scorer.reconstructs and self.parameters.intermediate_size > 0
             if length == 1:  # a decode step: every due layer is evicted at once when the forward ends
                 self._due.append((module, layer))
@@ -569,43 +544,6 @@ class CompressionSession:
             else:  # a prefill evicts right away, so that at most one layer at a time holds the whole prompt
                 self._evict([(module, layer)], slack)
                 forward.evicted = True
-
-    def _eviction_slack(self, length: int) -> float:
-        """How far past its budget a layer may grow before it evicts: 0 after a multi-token forward, the decode
-        slack (per_token) after a decode step, never while paused (``generate`` after ``prefill``)."""
-        params = self.parameters
-        if not self._evicting or (length == 1 and not params.compress_during_decoding):
-            return float("inf")
-        if length == 1 and params.strategy == "per_token":
-            return params.decode_slack
-        return 0
-
-    def _scored_units(self, state: LayerState) -> torch.Tensor:
-        """(B,) units of the layer's scored area: the parameters', or its own (a fractional budget's, its share of
-        a global budget, its step of the pyramid)."""
-        if state.scored_units is not None:
-            return state.scored_units
-        return torch.full(state.slot_valid.shape[:1], self._uniform_units(), dtype=torch.long,
-                          device=state.slot_valid.device)
-
-    def _uniform_units(self) -> int:
-        """Units of the parameters' own scored area (every layer and sequence without an area of its own)."""
-        return self.parameters.intermediate_size // self.parameters.unit_size
-
-    def _budget(self, scored_units: torch.Tensor) -> torch.Tensor:
-        """Slots kept for a scored area of ``scored_units`` units: the windows plus the scored slots."""
-        params = self.parameters
-        return params.start_size + params.recent_size + scored_units * params.unit_size
-
-    def _layer_budget(self, state: LayerState) -> torch.Tensor:
-        """(B,) slots the layer keeps per sequence."""
-        return self._budget(self._scored_units(state))
-
-    def _smallest_budget(self, state: LayerState) -> float:
-        """The fewest slots any sequence of the layer keeps; without a scored area of its own (the common case)
-        the parameters' budget, with no tensor work: this runs in every layer of every decode step."""
-        fewest = state.fewest_scored_units()
-        return self._budget(self._uniform_units() if fewest is None else fewest)
 
     def _evict(self, layers: list[tuple[nn.Module, CompressedLayer]], slack: float, allocate: bool = False) -> None:
         """Compact ``layers`` (module, cache layer) with one selection for all of them.
@@ -629,15 +567,15 @@ class CompressionSession:
         value_norms = rows([state.value_norms for state in states], 0.0) if states[0].value_norms is not None else None
         batch = slot_rows.shape[0] // len(layers)
         live = slot_rows.sum(-1)
-        units = torch.cat([self._scored_units(state) for state in states])
+        units = torch.cat([self.budget.scored_units(state) for state in states])
         adaptive = self.parameters.heads_share_budget
         if allocate and not adaptive:  # only the sequences that evict now take their share, as each would alone
             totals = units.view(len(layers), batch).sum(0)  # per sequence, what the layers hold together
             shares = global_scored_units(scores, slot_rows, self.parameters, totals)
-            units = torch.where(live > self._budget(units) + slack, shares, units)
+            units = torch.where(live > self.budget.slots(units) + slack, shares, units)
             for number, state in enumerate(states):
                 state.scored_units = units[number * batch : (number + 1) * batch]
-        over = live > self._budget(units) + slack
+        over = live > self.budget.slots(units) + slack
         if self.parameters.head_selection == "per_head":  # every (layer, sequence, head) row selects alone
             heads = scores.shape[1]
             head_units = units.repeat_interleave(heads)

@@ -4,7 +4,7 @@ RULER runners and the benchmarks.
 A method is a registered scorer (``snapkv``, ``h2o``, ``kvzip``, ``expected_attention``, ``tova``, ``keydiff``,
 ``knorm`` and any registered later), ``streaming_llm`` (4 attention sinks and the most recent tokens, nothing
 scored) or ``none`` (the full cache). A budget is a number of slots per layer, or a fraction in (0, 1) of a
-prompt's tokens (``budget_slots`` resolves it per prompt). Scored methods split the budget as
+prompt's tokens (``kvcompress.budget.budget_slots`` resolves it per prompt). Scored methods split the budget as
 ``KVCacheCompressionParameters.from_budget`` does (start = min(32, budget / 8), recent = min(64, budget / 4),
 the rest scored) and allocate it as the method's own reference does (``Scorer.allocation``: KVzip lets the layers
 share one budget by score); any parameter can be overridden.
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from .budget import check_budget
 from .parameters import HEAD_SHARED_ALLOCATIONS, KVCacheCompressionParameters
 from .scoring.registry import SCORERS, scorer_class
 
-__all__ = ["NONE", "STREAMING_LLM", "STREAMING_LLM_SINKS", "budget_slots", "method_names", "preset"]
+__all__ = ["NONE", "STREAMING_LLM", "STREAMING_LLM_SINKS", "method_names", "preset"]
 
 NONE = "none"
 STREAMING_LLM = "streaming_llm"
@@ -29,24 +30,6 @@ def method_names() -> list[str]:
     return [NONE, STREAMING_LLM, *SCORERS]
 
 
-def budget_slots(budget: int | float, prompt_tokens: int) -> int:
-    """Slots per layer for one prompt: an integer budget as is, a fraction of the prompt's tokens rounded."""
-    check_budget(budget)
-    if isinstance(budget, float):
-        return max(1, round(budget * prompt_tokens))
-    return budget
-
-
-def check_budget(budget: Any) -> None:
-    valid = (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1) or (
-        isinstance(budget, float) and 0.0 < budget < 1.0
-    )
-    if not valid:
-        raise ValueError(
-            f"budget must be a number of slots (an integer >= 1) or a fraction of the prompt in (0, 1), got {budget!r}"
-        )
-
-
 def preset(method: str, budget: int, **overrides: Any) -> KVCacheCompressionParameters | None:
     """The parameters of ``method`` at ``budget`` slots per layer (None for ``none``, the full cache)."""
     if method == NONE:
@@ -54,7 +37,8 @@ def preset(method: str, budget: int, **overrides: Any) -> KVCacheCompressionPara
     check_budget(budget)
     if not isinstance(budget, int):
         raise ValueError(
-            f"preset() takes a budget in slots; resolve a fraction with budget_slots() first, got {budget}"
+            f"preset() takes a budget in slots; resolve a fraction with kvcompress.budget.budget_slots() first, "
+            f"got {budget}"
         )
     if method == STREAMING_LLM:
         for fixed in ("intermediate_size", "recent_size", "algorithm"):
