@@ -33,6 +33,7 @@ from .budget import BudgetPlan, budget_slots, check_budget
 from .cache import CompressedLayer, adopt_cache
 from .kernels.attention import observation_counts
 from .kernels.value_norm import projected_value_l1
+from .masks import additive_mask, decoder_mask, new_token_validity, positions_from_mask, shared_layout
 from .parameters import KVCacheCompressionParameters
 from .ragged import folded_attention, folded_head_of_new, per_new_slot
 from .rerotation import check_rerotation_supported, rotate_keys
@@ -207,7 +208,7 @@ class CompressionSession:
         """
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=input_ids, attention_mask=mask, position_ids=_positions_from_mask(mask), cache=cache,
+        self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions_from_mask(mask), cache=cache,
                    use_cache=True, logits_to_keep=1)
         self._context = cache, mask
         return cache
@@ -307,7 +308,7 @@ class CompressionSession:
             )
         device = tokens.device
         mask = kwargs.get("attention_mask")
-        new_valid = self._new_token_validity(mask, batch, length, seen, device)
+        new_valid = new_token_validity(mask, batch, length, seen, device)
         if seen == 0:
             self.evictions = 0
             previous = self.parameters
@@ -324,21 +325,10 @@ class CompressionSession:
             live = states[0].live if states[0] is not None else torch.zeros(batch, dtype=torch.long, device=device)
             positions = (live[:, None] + new_valid.long().cumsum(-1) - 1).clamp(min=0)
         kwargs["position_ids"] = positions
-        self._forward_layout = None
-        compact = None  # layers of different layouts: the session's attention function masks each (_layer_layout)
-        shared = _shared_layout(states, new_valid)
-        if shared is not None:  # one 2-D mask in the physical layout serves every layer
-            self._forward_layout = shared
-            layout = shared[0]
-            # transformers reads the mask at kv_offset + slot (CompressedLayer.get_mask_sizes): pad it on the left
-            padding = torch.ones(batch, seen + length - layout.shape[-1], dtype=torch.bool, device=device)
-            compact = torch.cat([padding, layout], dim=-1).to(mask.dtype if mask is not None else torch.long)
-        if self._forward_layout is not None and self._forward_layout[1]:
-            kwargs["attention_mask"] = None
-        elif self.layout.sliding_layers:
-            kwargs["attention_mask"] = _per_layer_type_masks(module, tokens, mask, compact, cache, positions)
-        else:
-            kwargs["attention_mask"] = compact
+        # one layout for every layer (the decoder's mask describes it), or None (each layer's own, _layer_layout)
+        self._forward_layout = shared_layout(states, new_valid)
+        kwargs["attention_mask"] = decoder_mask(module, tokens, mask, self._forward_layout, cache, positions,
+                                                bool(self.layout.sliding_layers))
         self._forward = ForwardState(valid=new_valid, positions=positions.to(torch.long),
                                      true_positions=true_positions.to(torch.long), replay=replay)
         if not replay:  # what an earlier forward that failed half-way may have left
@@ -412,23 +402,6 @@ class CompressionSession:
                 cache.layers[index].__dict__.update(snapshot)
         self.timings["reconstruction"] += time.perf_counter() - started
 
-    @staticmethod
-    def _new_token_validity(mask, batch: int, length: int, seen: int, device) -> torch.Tensor:
-        """Which new tokens are real. A given 2-D mask must cover the whole sequence so far plus the new tokens."""
-        if mask is None:
-            return torch.ones(batch, length, dtype=torch.bool, device=device)
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-            raise ValueError(
-                "kvcompress needs a 2-D attention_mask (batch, tokens) or none; 4-D and dict masks cannot be "
-                "re-laid out after eviction"
-            )
-        if mask.shape[-1] != seen + length:
-            raise ValueError(
-                f"attention_mask covers {mask.shape[-1]} tokens, but the sequence has seen {seen} plus {length} new "
-                f"ones; pass a mask over all {seen + length}"
-            )
-        return mask[:, -length:].to(device=device, dtype=torch.bool)
-
     # ------------------------------------------------------------------ attention call
     def _attend(self, module, query, key, value, attention_mask, original, **kwargs):
         """The module's attention call: its output, with this forward's scores recorded (and eviction done).
@@ -473,7 +446,7 @@ class CompressionSession:
             self.timings["attention_and_scoring" if output is not None else "scoring"] += time.perf_counter() - started
         if output is None:
             if self._forward_layout is None:  # this layer's own length: the decoder's mask cannot fit it
-                attention_mask = None if all_live and query.shape[2] == 1 else _additive_mask(layout, query)
+                attention_mask = None if all_live and query.shape[2] == 1 else additive_mask(layout, query)
             result = original(module, query, key, value, attention_mask, **kwargs)
         else:
             result = output, None
@@ -611,57 +584,6 @@ class CompressionSession:
                 layer.keys = rotate_keys(module, layer.keys, delta, self.layout.rotary_emb.inv_freq)
                 state.rope_positions = torch.where(kept, compact, state.rope_positions)
         self.timings["compaction"] += time.perf_counter() - started
-
-
-def _shared_layout(states: list[LayerState | None], new_valid: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
-    """The layout (B, T + q) every compressed layer has in this forward (its cached slots, then the new tokens)
-    and whether it is all live, or None when the layers' layouts differ. One read from the device for all layers
-    (on an accelerator each read waits for the work queued before it)."""
-    if all(state is None for state in states):
-        return new_valid, bool(new_valid.all())
-    if any(state is None or state.folded_heads for state in states):
-        return None
-    first = states[0].slot_valid
-    if any(state.length != first.shape[-1] for state in states[1:]):
-        return None
-    layout = torch.cat([first, new_valid], dim=-1)
-    others = [state.slot_valid for state in states[1:]]
-    same = torch.stack(others).eq(first).all() if others else layout.new_ones(())
-    same, live = torch.stack([same, layout.all()]).tolist()
-    return (layout, live) if same else None
-
-
-def _positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of a left-padded batch, as ``generate`` derives them from its 2-D mask."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _per_layer_type_masks(decoder, tokens, true_mask, compact_mask, cache, positions) -> dict[str, torch.Tensor]:
-    """Masks for hybrid models: compressed layers index the compacted slots, sliding layers the true sequence.
-
-    The decoders of hybrid models (Gemma 2/3, Qwen with ``layer_types``) accept this mapping in place of a 2-D
-    mask, so both kinds of layer get a mask that matches their own cache.
-    """
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    shape_only = torch.empty(*tokens.shape[:2], 0, dtype=decoder.embed_tokens.weight.dtype, device=tokens.device)
-    common = dict(config=decoder.config, inputs_embeds=shape_only, cache=cache, position_ids=positions)
-    return {
-        # None: compressed layers of different lengths, each masked by the session's attention function
-        "full_attention": None if compact_mask is None else create_causal_mask(attention_mask=compact_mask, **common),
-        "sliding_attention": create_sliding_window_causal_mask(attention_mask=true_mask, **common),
-    }
-
-
-def _additive_mask(layout: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """(B, 1, q, T) additive mask of one layer: a query sees the live slots up to its own (causal); a padding
-    query that would see nothing sees everything instead (finite output, never read)."""
-    length, total = queries.shape[2], layout.shape[-1]
-    rows = torch.arange(total - length, total, device=layout.device)
-    allowed = (torch.arange(total, device=layout.device)[None, :] <= rows[:, None]) & layout[:, None, :]
-    allowed |= ~allowed.any(-1, keepdim=True)
-    mask = torch.zeros(allowed.shape, dtype=queries.dtype, device=queries.device)
-    return mask.masked_fill_(~allowed, torch.finfo(queries.dtype).min).unsqueeze(1)
 
 
 def _layer_snapshot(layer) -> dict[str, Any]:
