@@ -20,6 +20,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from .ragged import fold_kept, fold_new_tokens
+from .rerotation import rotate_keys
 from .selection.windows import left_aligned_indices
 from .state import LayerState, gather_slots
 
@@ -73,6 +74,17 @@ class CompressedLayer(DynamicLayer):
         self.values = gather_slots(self.values, index)
         self.state.gather(index)
         self.state.slot_valid = valid
+
+    def rerotate_to_compact(self, module, inv_freq: torch.Tensor) -> None:
+        """Rotate the live keys to compact positions 0, 1, ... in slot order (``rerotate_keys``), after ``keep``:
+        the keys and their recorded RoPE positions change together."""
+        state, valid = self.state, self.state.slot_valid
+        kept, compact = valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
+        if state.per_head:  # (B, 1, K) against each head's own positions
+            kept, compact = kept[:, None], compact[:, None]
+        delta = torch.where(kept, compact - state.rope_positions, 0)
+        self.keys = rotate_keys(module, self.keys, delta, inv_freq)
+        state.rope_positions = torch.where(kept, compact, state.rope_positions)
 
     def keep_per_head(self, keep: torch.Tensor) -> None:
         """Keep each KV head's own slots ``keep`` (B, H_kv, T) bool, whatever their count per head: the layer folds

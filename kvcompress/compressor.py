@@ -36,9 +36,9 @@ from .kernels.value_norm import projected_value_l1
 from .masks import additive_mask, decoder_mask, new_token_validity, positions_from_mask, shared_layout
 from .parameters import KVCacheCompressionParameters
 from .ragged import folded_attention, folded_head_of_new, per_new_slot
-from .rerotation import check_rerotation_supported, rotate_keys
+from .rerotation import check_rerotation_supported
 from .scoring.base import AttentionCall
-from .selection.windows import adaptive_scored_units, global_scored_units, left_aligned_indices, select_keep_mask
+from .selection.evict import evict
 from .state import ForwardState, LayerState
 
 _ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -352,7 +352,7 @@ class CompressionSession:
         reconstruct, self._reconstruct_due = self._reconstruct_due, False
         slack = self.budget.slack(forward.valid.shape[-1], self._evicting)
         if reconstruct:
-            # as in _evict: only the sequences over budget evict now (and are reconstructed), as they would alone
+            # as in evict: only the sequences over budget evict now (and are reconstructed), as they would alone
             state = due[0][1].state
             over = state.live > self.budget.layer_slots(state) + slack
             self._reconstruct(self.cache, self._forward_tokens, forward, forward.valid & over[:, None])
@@ -519,71 +519,8 @@ class CompressionSession:
                 forward.evicted = True
 
     def _evict(self, layers: list[tuple[nn.Module, CompressedLayer]], slack: float, allocate: bool = False) -> None:
-        """Compact ``layers`` (module, cache layer) with one selection for all of them.
-
-        Selection treats every (layer, sequence) row independently, so stacking the layers' rows (their layouts
-        left-padded to the longest with dead slots) gives each layer exactly what it would get alone, for the
-        cost of one call instead of one per layer. ``allocate``: the layers first share their scored areas'
-        total by score (``budget_allocation="global"``), and each keeps its share from then on; with
-        ``"global_adaptive"`` every (layer, head) of a sequence competes for the total instead.
-        """
-        started = time.perf_counter()
-        states = [layer.state for _, layer in layers]
-        width = max(state.length for state in states)
-
-        def rows(tensors: list[torch.Tensor], fill) -> torch.Tensor:  # left-pad the slot axis to ``width``
-            return torch.cat([torch.nn.functional.pad(t, (width - t.shape[-1], 0), value=fill) for t in tensors])
-
-        slot_rows = rows([state.slot_valid for state in states], False)
-        scores = rows([self.scorer.eviction_scores(layer.state, layer.keys, layer.values, layer.state.slot_valid)
-                       for _, layer in layers], 0.0)
-        value_norms = rows([state.value_norms for state in states], 0.0) if states[0].value_norms is not None else None
-        batch = slot_rows.shape[0] // len(layers)
-        live = slot_rows.sum(-1)
-        units = torch.cat([self.budget.scored_units(state) for state in states])
-        adaptive = self.parameters.heads_share_budget
-        if allocate and not adaptive:  # only the sequences that evict now take their share, as each would alone
-            totals = units.view(len(layers), batch).sum(0)  # per sequence, what the layers hold together
-            shares = global_scored_units(scores, slot_rows, self.parameters, totals)
-            units = torch.where(live > self.budget.slots(units) + slack, shares, units)
-            for number, state in enumerate(states):
-                state.scored_units = units[number * batch : (number + 1) * batch]
-        over = live > self.budget.slots(units) + slack
-        if self.parameters.head_selection == "per_head":  # every (layer, sequence, head) row selects alone
-            heads = scores.shape[1]
-            head_units = units.repeat_interleave(heads)
-            if adaptive:  # the heads of a (layer, sequence), or of every layer, share the scored areas by score
-                layers_compete = len(layers) if allocate else 1
-                head_units = adaptive_scored_units(scores, slot_rows, self.parameters, units,
-                                                   layers_compete).reshape(-1)
-            keep = select_keep_mask(scores.reshape(-1, 1, width), slot_rows.repeat_interleave(heads, 0),
-                                    self.parameters, None, head_units)
-            keep = keep.view(-1, heads, width)
-            slot_rows, over = slot_rows[:, None], over[:, None]
-        else:
-            keep = select_keep_mask(scores, slot_rows, self.parameters, value_norms, units)
-        # Each sequence evicts on its own schedule (as it would alone); padding only makes the batch wider.
-        keep = torch.where(over[..., None], keep, slot_rows)
-        self.timings["selection"] += time.perf_counter() - started
-        started = time.perf_counter()
-        for number, (module, layer) in enumerate(layers):
-            state = layer.state
-            layer_keep = keep[number * batch : (number + 1) * batch, ..., width - state.length :]
-            if adaptive:  # heads of different lengths: the layer folds them into one row
-                layer.keep_per_head(layer_keep)
-                continue
-            index, valid = left_aligned_indices(layer_keep)
-            if index.dim() == 3:  # per head: the same count per head, so one layout for all of them
-                valid = valid[:, 0]
-            layer.keep(index, valid)  # filler slots (a row that keeps fewer than the widest) are dead
-            if self.parameters.rerotate_keys:
-                kept, compact = valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
-                if state.per_head:  # (B, 1, K) against each head's own positions
-                    kept, compact = kept[:, None], compact[:, None]
-                delta = torch.where(kept, compact - state.rope_positions, 0)
-                layer.keys = rotate_keys(module, layer.keys, delta, self.layout.rotary_emb.inv_freq)
-                state.rope_positions = torch.where(kept, compact, state.rope_positions)
-        self.timings["compaction"] += time.perf_counter() - started
+        inv_freq = self.layout.rotary_emb.inv_freq if self.parameters.rerotate_keys else None
+        evict(layers, self.scorer, self.budget, slack, allocate, inv_freq, self.timings)
 
 
 def _layer_snapshot(layer) -> dict[str, Any]:

@@ -1,0 +1,92 @@
+"""Eviction: one selection for a set of compressed layers, then each layer keeps its selected slots.
+
+The session calls ``evict`` once per eviction (a prefill's layer, or every due layer at the end of a forward);
+the budgets come from its ``BudgetPlan``, the ranking from the scorer, the choice of slots from
+``windows.select_keep_mask`` (or its head-wise allocations), and the layer itself compacts its keys, values and
+state (``CompressedLayer.keep`` / ``keep_per_head`` / ``rerotate_to_compact``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .windows import adaptive_scored_units, global_scored_units, left_aligned_indices, select_keep_mask
+
+if TYPE_CHECKING:
+    from ..budget import BudgetPlan
+    from ..cache import CompressedLayer
+    from ..scoring.base import Scorer
+
+
+def evict(layers: list[tuple[nn.Module, CompressedLayer]], scorer: Scorer, plan: BudgetPlan, slack: float,
+          allocate: bool = False, inv_freq: torch.Tensor | None = None,
+          timings: dict[str, float] | None = None) -> None:
+    """Compact ``layers`` (module, cache layer) with one selection for all of them, ranked by ``scorer``'s
+    eviction scores, to ``plan``'s budgets (a layer over its budget by at most ``slack`` keeps everything).
+
+    Selection treats every (layer, sequence) row independently, so stacking the layers' rows (their layouts
+    left-padded to the longest with dead slots) gives each layer exactly what it would get alone, for the
+    cost of one call instead of one per layer. ``allocate``: the layers first share their scored areas'
+    total by score (``budget_allocation="global"``), and each keeps its share from then on; with
+    ``"global_adaptive"`` every (layer, head) of a sequence competes for the total instead. ``inv_freq``: the
+    rotary frequencies, where the parameters rerotate kept keys to compact positions. ``timings`` collects the
+    seconds of selection and compaction.
+    """
+    timings = timings if timings is not None else {}
+    parameters = plan.parameters
+    started = time.perf_counter()
+    states = [layer.state for _, layer in layers]
+    width = max(state.length for state in states)
+
+    def rows(tensors: list[torch.Tensor], fill) -> torch.Tensor:  # left-pad the slot axis to ``width``
+        return torch.cat([torch.nn.functional.pad(t, (width - t.shape[-1], 0), value=fill) for t in tensors])
+
+    slot_rows = rows([state.slot_valid for state in states], False)
+    scores = rows([scorer.eviction_scores(layer.state, layer.keys, layer.values, layer.state.slot_valid)
+                   for _, layer in layers], 0.0)
+    value_norms = rows([state.value_norms for state in states], 0.0) if states[0].value_norms is not None else None
+    batch = slot_rows.shape[0] // len(layers)
+    live = slot_rows.sum(-1)
+    units = torch.cat([plan.scored_units(state) for state in states])
+    adaptive = parameters.heads_share_budget
+    if allocate and not adaptive:  # only the sequences that evict now take their share, as each would alone
+        totals = units.view(len(layers), batch).sum(0)  # per sequence, what the layers hold together
+        shares = global_scored_units(scores, slot_rows, parameters, totals)
+        units = torch.where(live > plan.slots(units) + slack, shares, units)
+        for number, state in enumerate(states):
+            state.scored_units = units[number * batch : (number + 1) * batch]
+    over = live > plan.slots(units) + slack
+    if parameters.head_selection == "per_head":  # every (layer, sequence, head) row selects alone
+        heads = scores.shape[1]
+        head_units = units.repeat_interleave(heads)
+        if adaptive:  # the heads of a (layer, sequence), or of every layer, share the scored areas by score
+            layers_compete = len(layers) if allocate else 1
+            head_units = adaptive_scored_units(scores, slot_rows, parameters, units,
+                                               layers_compete).reshape(-1)
+        keep = select_keep_mask(scores.reshape(-1, 1, width), slot_rows.repeat_interleave(heads, 0),
+                                parameters, None, head_units)
+        keep = keep.view(-1, heads, width)
+        slot_rows, over = slot_rows[:, None], over[:, None]
+    else:
+        keep = select_keep_mask(scores, slot_rows, parameters, value_norms, units)
+    # Each sequence evicts on its own schedule (as it would alone); padding only makes the batch wider.
+    keep = torch.where(over[..., None], keep, slot_rows)
+    timings["selection"] = timings.get("selection", 0.0) + time.perf_counter() - started
+    started = time.perf_counter()
+    for number, (module, layer) in enumerate(layers):
+        state = layer.state
+        layer_keep = keep[number * batch : (number + 1) * batch, ..., width - state.length :]
+        if adaptive:  # heads of different lengths: the layer folds them into one row
+            layer.keep_per_head(layer_keep)
+            continue
+        index, valid = left_aligned_indices(layer_keep)
+        if index.dim() == 3:  # per head: the same count per head, so one layout for all of them
+            valid = valid[:, 0]
+        layer.keep(index, valid)  # filler slots (a row that keeps fewer than the widest) are dead
+        if parameters.rerotate_keys:
+            layer.rerotate_to_compact(module, inv_freq)
+    timings["compaction"] = timings.get("compaction", 0.0) + time.perf_counter() - started
