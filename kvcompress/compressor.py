@@ -364,42 +364,20 @@ class CompressionSession:
 
     def _reconstruct(self, cache: DynamicCache, tokens: torch.Tensor | None, forward: ForwardState,
                      selected: torch.Tensor) -> None:
-        """Run the scorer's context-reconstruction passes (KVzip) over the full cache of this prompt.
-
-        Each pass is a forward of the decoder on top of the cache, at the positions that follow the prompt; each
-        sequence of a batch reconstructs its own ``selected`` tokens (left-padded to the longest; none for a
-        sequence that fits its budget, which evicts nothing now, as it would alone). The compressed layers drop
-        the pass's slots right after their attention (``_record``), so each pass sees only the prompt and at most
-        one layer at a time holds the extra chunk; sliding-window layers, which would push prompt tokens out of
-        their window, are restored afterwards.
-        """
+        """The scorer's context-reconstruction passes (KVzip) over the full cache of this prompt, each sequence's
+        ``selected`` tokens; the passes' forwards score and drop their own slots (``_record``)."""
         if tokens is None:
             raise ValueError(
                 f"kvcompress: algorithm={self.parameters.algorithm!r} reconstructs the prompt from its token ids; "
                 "pass input_ids, not inputs_embeds"
             )
         started = time.perf_counter()
-        context = [row[valid].tolist() for row, valid in zip(tokens, selected.to(tokens.device))]
         following = forward.true_positions[:, -1:] + 1  # the prompt's last token is real (left padding)
-        sliding = {index: _layer_snapshot(cache.layers[index]) for index in self.layout.sliding_layers
-                   if index < len(cache.layers)}
         self._replaying = True
         try:
-            with torch.no_grad():
-                for rows in self.scorer.replay_inputs(context):
-                    width = max(len(row) for row in rows)
-                    ids = torch.tensor([[0] * (width - len(row)) + row for row in rows], device=tokens.device)
-                    real = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows],
-                                        device=tokens.device)
-                    mask = torch.cat([torch.ones(len(rows), cache.get_seq_length(), dtype=real.dtype,
-                                                 device=real.device), real], dim=-1)
-                    positions = following.to(real.device) + (real.cumsum(-1) - 1).clamp(min=0)
-                    self.layout.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                                        use_cache=True)
+            self.scorer.reconstruct(self.layout.decoder, cache, tokens, selected, following, self.layout.sliding_layers)
         finally:
             self._replaying = False
-            for index, snapshot in sliding.items():
-                cache.layers[index].__dict__.update(snapshot)
         self.timings["reconstruction"] += time.perf_counter() - started
 
     # ------------------------------------------------------------------ attention call
@@ -521,9 +499,3 @@ class CompressionSession:
     def _evict(self, layers: list[tuple[nn.Module, CompressedLayer]], slack: float, allocate: bool = False) -> None:
         inv_freq = self.layout.rotary_emb.inv_freq if self.parameters.rerotate_keys else None
         evict(layers, self.scorer, self.budget, slack, allocate, inv_freq, self.timings)
-
-
-def _layer_snapshot(layer) -> dict[str, Any]:
-    """What restores a cache layer whose tensors its updates replace (they never write into them)."""
-    return {name: value.clone() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
-            for name, value in vars(layer).items()}

@@ -108,6 +108,12 @@ class Scorer:
         (B, q, H, d) if it was computed here (else the model's own attention function runs)."""
         return None, None
 
+    def reconstruct(self, decoder: nn.Module, cache: Any, tokens: torch.Tensor, selected: torch.Tensor,
+                    following: torch.Tensor, sliding_layers: list[int]) -> None:
+        """Run the context-reconstruction passes of a method that ``reconstructs`` (KVzip): forwards of the
+        decoder over ``cache`` whose attention calls the session routes back to ``attend`` as replays."""
+        raise NotImplementedError(f"{type(self).__name__} does not reconstruct the context")
+
     def eviction_scores(
         self, state: "LayerState", keys: torch.Tensor, values: torch.Tensor, slot_valid: torch.Tensor
     ) -> torch.Tensor:

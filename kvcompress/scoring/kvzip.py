@@ -113,6 +113,40 @@ class KVzip(Scorer):
         return inputs
 
 
+    @torch.no_grad()
+    def reconstruct(self, decoder, cache, tokens, selected, following, sliding_layers) -> None:
+        """The reconstruction passes over the full cache of this prompt.
+
+        Each pass is a forward of the decoder on top of the cache, at the positions that follow the prompt
+        (``following`` (B, 1)); each sequence of a batch reconstructs its own ``selected`` tokens (B, q) bool
+        (left-padded to the longest; none for a sequence that fits its budget, which evicts nothing now, as it
+        would alone). The compressed layers drop the pass's slots right after their attention, so each pass sees
+        only the prompt and at most one layer at a time holds the extra chunk; sliding-window layers, which would
+        push prompt tokens out of their window, are restored afterwards.
+        """
+        context = [row[valid].tolist() for row, valid in zip(tokens, selected.to(tokens.device))]
+        sliding = {index: _layer_snapshot(cache.layers[index]) for index in sliding_layers
+                   if index < len(cache.layers)}
+        try:
+            for rows in self.replay_inputs(context):
+                width = max(len(row) for row in rows)
+                ids = torch.tensor([[0] * (width - len(row)) + row for row in rows], device=tokens.device)
+                real = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], device=tokens.device)
+                mask = torch.cat([torch.ones(len(rows), cache.get_seq_length(), dtype=real.dtype,
+                                             device=real.device), real], dim=-1)
+                positions = following.to(real.device) + (real.cumsum(-1) - 1).clamp(min=0)
+                decoder(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        finally:
+            for index, snapshot in sliding.items():
+                cache.layers[index].__dict__.update(snapshot)
+
+
+def _layer_snapshot(layer) -> dict:
+    """What restores a cache layer whose tensors its updates replace (they never write into them)."""
+    return {name: value.clone() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+            for name, value in vars(layer).items()}
+
+
 def template_around_user_message(tokenizer) -> tuple[str, str]:
     """What the chat template puts before a user message (its header: system prompt, start of the user turn)
     and between the message and the assistant's reply: the reconstruction request is a user turn, the repetition
