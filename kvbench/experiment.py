@@ -75,7 +75,7 @@ class CompressionSetting:
     def compression(self, model: Any, tokenizer: Any) -> Any:
         """The kvcompress session that applies this setting to ``model`` (a context manager)."""
         from kvcompress import compress
-        from kvcompress.compressor import CompressionSession
+        from kvcompress.session import CompressionSession
 
         if self.is_full_cache:
             raise ValueError(f"setting {self.name!r} is the full cache: nothing to attach")

@@ -1,10 +1,11 @@
 """kvcompress: KV-cache compression (KVzip, SnapKV, H2O, Expected Attention, TOVA, KeyDiff, Knorm; KVCrush and
 CriticalKV refinement) for Hugging Face transformers models."""
 
-from .compressor import CompressionSession, KVCacheCompressor, compress
+from .compressor import KVCacheCompressor, compress
 from .parameters import KVCacheCompressionMode, KVCacheCompressionParameters
 from .presets import method_names, preset
 from .scoring.registry import register
+from .session import CompressionSession
 
 __all__ = [
     "CompressionSession", "KVCacheCompressionMode", "KVCacheCompressionParameters", "KVCacheCompressor", "compress",

@@ -7,7 +7,7 @@ the true number of tokens seen (``get_seq_length``), so ``generate`` slices a re
 exactly as for an uncompressed cache, and it answers the mask sizes of its physical layout: ``kv_offset`` maps its
 slots onto the end of the sequence, so the newest slots (this forward's tokens) line up with their queries and
 every kept slot, being older, stays visible. Which kept slots hold live tokens (left padding) is the layer's
-``state.slot_valid``; the session turns it into the 2-D mask transformers reads (see ``compressor.py``).
+``state.slot_valid``; the session turns it into the 2-D mask transformers reads (see ``masks.py``).
 
 Sliding-window layers keep transformers' own class: they are bounded already. A ``DynamicCache`` passed in empty
 is adopted (its full-attention layers become compressed layers). The session does the scoring and eviction, and

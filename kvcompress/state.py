@@ -1,4 +1,4 @@
-"""What a compressed cache layer remembers per slot, and what the session knows about the forward in flight.
+"""What a compressed cache layer remembers per slot (its eviction state).
 
 Every per-slot tensor of a layer is indexed by physical cache slot, so one gather with the kept indices compacts
 the cache and its bookkeeping together.
@@ -11,8 +11,6 @@ of their own (``budget_allocation="global"``) each get their own mask from the s
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -40,17 +38,6 @@ def gather_slots(tensor: torch.Tensor, keep: torch.Tensor, dim: int = -2) -> tor
 def by_head(tensor: torch.Tensor) -> torch.Tensor:
     """A per-slot field as (B, H_kv, T) or (B, 1, T): per-head fields as they are, shared ones broadcastable."""
     return tensor if tensor.dim() == 3 else tensor.unsqueeze(1)
-
-
-@dataclasses.dataclass
-class ForwardState:
-    """What the session knows about the forward in flight, the same for every compressed layer."""
-
-    valid: torch.Tensor  # (B, q) bool: which tokens of the forward are real (not left padding)
-    positions: torch.Tensor  # (B, q) int64: the RoPE positions the forward uses
-    true_positions: torch.Tensor  # (B, q) int64: their positions in the uncompressed sequence
-    replay: bool = False  # a context-reconstruction pass (KVzip): its tokens leave the cache after attention
-    evicted: bool = False  # some layer evicted during this forward
 
 
 # Spare slots reserved past the current length, so that decode steps (and the few slots per_token decode lets the

@@ -1,0 +1,185 @@
+"""One forward of the model under a session, and each compressed layer's attention call in it, top to bottom.
+
+The session's decoder pre-hook builds a ``Forward`` (which new tokens are real, their positions, the slot layout
+every layer shares); every compressed layer's attention call then runs ``Forward.attend``:
+
+1. the layer's state (a layer's first forward of a sequence starts it, with the plan's area for it);
+2. the layer's slot layout for this forward (the shared one, else its own);
+3. the attention: a folded layer's own (``ragged.folded_attention``), else the scorer's pass, which returns this
+   forward's scores and, where it computed it, the attention output; otherwise the model's own function;
+4. the scores into the layer's state (``LayerState.append``; a reconstruction pass merges them and drops its own
+   slots);
+5. eviction: at once for a prefill's layer over budget (``selection.evict``), or marked due when the forward
+   ends (a decode step's, a budget the layers share, a prompt KVzip reconstructs first).
+
+What the forward collects (the due layers, whether a reconstruction is due, how many layers attended) is read
+by the session's post-hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .adapters import value_projection_weight
+from .budget import BudgetPlan
+from .cache import CompressedLayer
+from .kernels.attention import observation_counts
+from .kernels.value_norm import projected_value_l1
+from .masks import additive_mask
+from .ragged import folded_attention, folded_head_of_new, per_new_slot
+from .scoring.base import AttentionCall, Scorer
+from .selection.evict import evict
+from .state import LayerState
+
+
+@dataclasses.dataclass
+class Forward:
+    """The forward in flight: the same for every compressed layer, and what its layers leave for its end."""
+
+    valid: torch.Tensor  # (B, q) bool: which tokens of the forward are real (not left padding)
+    positions: torch.Tensor  # (B, q) int64: the RoPE positions the forward uses
+    true_positions: torch.Tensor  # (B, q) int64: their positions in the uncompressed sequence
+    cache: Any  # the DynamicCache the forward runs on
+    scorer: Scorer
+    budget: BudgetPlan
+    timings: dict[str, float]
+    # the layout every compressed layer shares, with this forward's tokens, and whether it is all live; None when
+    # the layers' layouts differ (budgets of their own)
+    layout: tuple[torch.Tensor, bool] | None = None
+    replay: bool = False  # a context-reconstruction pass (KVzip): its tokens leave the cache after attention
+    evicting: bool = True  # False while generate() answers after a prefilled context
+    inv_freq: torch.Tensor | None = None  # the rotary frequencies, where kept keys are rerotated
+    tokens: torch.Tensor | None = None  # the forward's token ids (None for embeddings), for reconstruction
+    evicted: bool = False  # some layer evicted during this forward
+    attended: int = 0  # compressed layers that ran this attention call
+    due: list[tuple[nn.Module, CompressedLayer]] = dataclasses.field(default_factory=list)  # evict at the end
+    reconstruct_due: bool = False  # the scorer's reconstruction passes run before the due evictions
+    _observation: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = dataclasses.field(
+        default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[-1]
+
+    @property
+    def parameters(self):
+        return self.budget.parameters
+
+    def attend(self, module: nn.Module, query, key, value, attention_mask, original, **kwargs):
+        """The module's attention call: its output, with this forward's scores recorded (and eviction done).
+
+        The scorer sees the module's own post-RoPE queries and the updated cache; where it computes the
+        attention output in the same pass (H2O and decode steps, KVzip's reconstruction), the original function
+        does not run. Training-mode calls (dropout) and calls that return attention weights always keep the
+        original function for the output.
+        """
+        started = time.perf_counter()
+        layer = self.cache.layers[module.layer_idx]
+        state = self._layer_state(layer, module.layer_idx, key)
+        folds = state.folded_heads
+        cached = key.shape[-2] - query.shape[2] * (folds or 1)
+        if state.length != cached:
+            raise RuntimeError(
+                f"kvcompress: layer {module.layer_idx} holds {cached} cached slots but its scores cover "
+                f"{state.length}; the cache was modified outside the compressor"
+            )
+        self.attended += 1
+        output = head_scores = None
+        layout, all_live = self._layer_layout(state)
+        scaling = kwargs.get("scaling") or module.scaling
+        if folds:  # heads of their own lengths (ragged.py): selected once, never scored again
+            heads = torch.cat([state.slot_head, folded_head_of_new(folds, query.shape[2], query.shape[0],
+                                                                   query.device)], dim=-1)
+            output = folded_attention(query, key, value, layout, heads, folds, scaling, kwargs.get("softcap"))
+        elif self.parameters.intermediate_size > 0:  # else only fixed windows survive: scores are never read
+            call = AttentionCall(
+                module=module, queries=query, keys=key, values=value, slot_valid=layout,
+                observed=self._observe(key.shape[-2])[0], scaling=scaling, softcap=kwargs.get("softcap"),
+                all_live=all_live,
+                # the caller may want the original's weights (output_attentions) or its dropout
+                may_fuse=not kwargs.get("dropout") and not kwargs.get("output_attentions"),
+                positions=self.positions, replay=self.replay,
+            )
+            head_scores, output = self.scorer.attend(call, state)
+        if not self.replay:  # a reconstruction pass is timed as a whole ("reconstruction")
+            self.timings["attention_and_scoring" if output is not None else "scoring"] += time.perf_counter() - started
+        if output is None:
+            if self.layout is None:  # this layer's own length: the decoder's mask cannot fit it
+                attention_mask = None if all_live and query.shape[2] == 1 else additive_mask(layout, query)
+            result = original(module, query, key, value, attention_mask, **kwargs)
+        else:
+            result = output, None
+        self._record(module, layer, head_scores)
+        return result
+
+    def evict(self, layers: list[tuple[nn.Module, CompressedLayer]], slack: float, allocate: bool = False) -> None:
+        evict(layers, self.scorer, self.budget, slack, allocate, self.inv_freq, self.timings)
+
+    def _layer_state(self, layer: CompressedLayer, index: int, keys: torch.Tensor) -> LayerState:
+        """The layer's state; a layer seen for the first time in a sequence (empty cache) starts empty."""
+        if layer.state is None:
+            layer.state = LayerState.empty(keys.shape[0], keys.shape[1], keys.device,
+                                           per_head=self.parameters.head_selection == "per_head")
+            self.budget.start_layer(layer.state, index)
+        return layer.state
+
+    def _layer_layout(self, state: LayerState) -> tuple[torch.Tensor, bool]:
+        """This forward's slot layout of a layer (its cached slots, then the new tokens) and whether it is all
+        live: the shared one when every layer has the same, else the layer's own."""
+        if self.layout is not None:
+            return self.layout
+        new_valid = self.valid
+        if state.folded_heads:  # one slot per head and token (ragged.fold_new_tokens)
+            new_valid = per_new_slot(new_valid, state.folded_heads)
+        layout = torch.cat([state.slot_valid, new_valid], dim=-1)
+        # asking an accelerator whether all are live would wait for it in every layer: assume not (masks are safe)
+        return layout, layout.device.type == "cpu" and bool(layout.all())
+
+    def _observe(self, total: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The queries the scorer observes in this forward, and for accumulated attention their counts over
+        ``total`` slots; computed once per forward and layer length (every layer's, unless budgets differ)."""
+        if total not in self._observation:
+            observed = self.scorer.observed_queries(self.valid, self.replay)
+            counts = None
+            if observed is not None and self.scorer.combine == "add":
+                counts = observation_counts(observed, total)
+            self._observation[total] = observed, counts
+        return self._observation[total]
+
+    def _record(self, module: nn.Module, layer: CompressedLayer, head_scores: torch.Tensor | None) -> None:
+        """Combine the layer's scores into its state and evict once the layer is over budget."""
+        state, length = layer.state, self.length
+        started = time.perf_counter()
+        if self.replay:  # the reconstruction's own slots leave the cache; only the scores remain
+            if head_scores is not None:
+                state.merge(head_scores, self.scorer.combine)
+            layer.drop_newest(length)
+            return
+        value_norms = None
+        if self.parameters.refined_algorithm == "criticalkv":
+            value_norms = projected_value_l1(
+                layer.values[:, :, -length:], value_projection_weight(module), module.num_key_value_groups
+            )
+        total = layer.physical_length
+        counts = self._observe(total)[1] if head_scores is not None else None
+        state.append(head_scores, counts, self.positions, self.true_positions, self.valid, value_norms,
+                     combine=self.scorer.combine)
+        self.timings["scoring"] += time.perf_counter() - started
+        slack = self.budget.slack(length, self.evicting)
+        if total > self.budget.fewest_slots(state) + slack:
+            scored_later = self.scorer.reconstructs and self.parameters.intermediate_size > 0
+            if length == 1:  # a decode step: every due layer is evicted at once when the forward ends
+                self.due.append((module, layer))
+            elif scored_later or self.parameters.layers_share_budget:
+                # evicted with every layer when the forward ends: after the reconstruction passes that score it
+                # (KVzip), or when all layers' scores are known for one budget shared across layers
+                self.due.append((module, layer))
+                self.reconstruct_due = self.reconstruct_due or scored_later
+            else:  # a prefill evicts right away, so that at most one layer at a time holds the whole prompt
+                self.evict([(module, layer)], slack)
+                self.evicted = True

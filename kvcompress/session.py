@@ -1,0 +1,306 @@
+"""The session: one attachment of a compressor to one model, its lifecycle and its two decoder hooks.
+
+``__enter__`` installs the hooks and routes the compressed layers' attention calls through the session;
+``__exit__`` (or an error) removes them. The state lives in the cache (``cache.py``: compressed layers own their
+slots' scores, positions and layout, and report the true sequence length), so ``generate`` resumes a compressed
+cache like any other: a chat's next turn, chunked prefill, questions on a copy of one compressed document.
+
+One forward: the decoder pre-hook adopts the cache (its full-attention layers become compressed layers), starts
+a sequence's budgets (``budget.py``), gives the forward its positions and mask (``masks.py``) and builds the
+``Forward`` (``forward.py``), whose ``attend`` every compressed layer's attention call runs top to bottom (the
+scorer's pass, the layer's state, eviction). The post-hook runs what waits for every layer: a scorer's
+reconstruction passes (KVzip), then the due evictions (a decode step's, a budget the layers share).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import weakref
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from .adapters import ModelLayout, inspect_model
+from .attention_function import install as install_attention_function
+from .budget import BudgetPlan
+from .cache import adopt_cache
+from .forward import Forward
+from .masks import decoder_mask, new_token_validity, positions_from_mask, shared_layout
+from .parameters import KVCacheCompressionParameters
+from .rerotation import check_rerotation_supported
+from .state import LayerState
+
+_ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+class CompressionSession:
+    """One attachment of a compressor to one model; use it as a context manager."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        parameters: KVCacheCompressionParameters,
+        tokenizer: Any = None,
+        prompt_budget: Callable[[int], int] | None = None,
+        prompt_parameters: Callable[[int], KVCacheCompressionParameters] | None = None,
+    ):
+        """``prompt_budget`` / ``prompt_parameters`` (``kvcompress.compress`` with a fractional budget): each
+        new sequence's slots follow its prompt's real tokens, and the parameters are those of the batch's
+        longest prompt; a shorter prompt of a batch keeps the same windows and a smaller scored area."""
+        self.model = model
+        self.tokenizer = tokenizer
+        self.budget = BudgetPlan(parameters, prompt_budget, prompt_parameters)
+        self.scorer = parameters.scorer(parameters)
+        self.layout: ModelLayout | None = None
+        self.cache: DynamicCache | None = None  # the cache of the latest forward (its layers own their state)
+        self.evictions = 0  # forwards of the cache's sequence that evicted
+        self.timings: dict[str, float] = defaultdict(float)
+        self._forward: Forward | None = None  # the forward in flight (forward.py)
+        self._handles: list[Any] = []
+        self._replaying = False  # inside a context-reconstruction pass (KVzip): nothing joins the sequence
+        self._restore_attention = None
+        self._context: tuple[DynamicCache, torch.Tensor] | None = None  # a prefilled context and its 2-D mask
+        self._evicting = True  # False while generate() answers after a prefilled context
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "CompressionSession":
+        if self.model in _ACTIVE_MODELS:
+            raise RuntimeError(
+                f"a KVCacheCompressor is already attached to this {type(self.model).__name__}; nested or concurrent "
+                "compression of one model is not supported"
+            )
+        layout = inspect_model(self.model)
+        if self.parameters.rerotate_keys:
+            if layout.sliding_layers:
+                raise ValueError(
+                    "rerotate_keys=True is not supported for models with sliding-window layers: their keys keep "
+                    "true positions while compressed layers would use compact ones"
+                )
+            check_rerotation_supported(layout.rotary_emb, type(self.model).__name__)
+        self.tokenizer = self._tokenizer_if_needed()
+        self.scorer.bind(self.model, self.tokenizer)
+        self.layout = layout
+        try:
+            self._handles.append(
+                layout.decoder.register_forward_pre_hook(self._before_decoder, with_kwargs=True)
+            )
+            self._handles.append(layout.decoder.register_forward_hook(self._after_decoder, with_kwargs=True))
+            compressed = [layout.attention_modules[i] for i in layout.compressed_layers]
+            self._restore_attention = install_attention_function(compressed, self._attend)
+        except BaseException:
+            self._detach()
+            raise
+        _ACTIVE_MODELS.add(self.model)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._detach()
+
+    def _tokenizer_if_needed(self):
+        """The tokenizer given, else (only for scorers that build prompts) the one saved beside the model."""
+        if self.tokenizer is not None or not self.scorer.reconstructs:
+            return self.tokenizer
+        path = getattr(self.model, "name_or_path", "") or ""
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(path, local_files_only=True) if path else None
+        except (OSError, ValueError):
+            return None
+
+    def _detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._restore_attention is not None:
+            self._restore_attention()
+            self._restore_attention = None
+        self.cache = self._forward = self._context = None
+        self._replaying = False
+        _ACTIVE_MODELS.discard(self.model)
+
+    # ------------------------------------------------------------------ compress a context once, ask after
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DynamicCache:
+        """Run a context through the model and compress it, before any question is seen (query-agnostic).
+
+        Questions then follow with ``generate``, each on its own copy of the compressed context. ``attention_mask``
+        (B, T) marks real tokens of a left-padded batch. Returns the compressed cache.
+        """
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions_from_mask(mask), cache=cache,
+                   use_cache=True, logits_to_keep=1)
+        self._context = cache, mask
+        return cache
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | list[int] | None = None,
+    ) -> torch.Tensor:
+        """Greedy answer (B, ≤ max_new_tokens) to ``input_ids`` (a question, and the answer's opening) that follow
+        the context given to ``prefill``, at their true positions.
+
+        As in the query-agnostic protocol of KVzip and kvpress, the question and the answer are not compressed.
+        Each question runs plain ``generate`` on a copy of the compressed context (``copy.deepcopy(cache)``: the
+        cache owns its state), so every question sees the same compressed context and no other question.
+        Finished sequences are padded with their end token.
+        """
+        if self._context is None:
+            raise RuntimeError("kvcompress: call session.prefill(context_ids) before session.generate(question_ids)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        context, context_mask = self._context
+        eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
+        eos = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+        new_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        self._evicting = False
+        try:
+            sequences = self.model.generate(
+                input_ids=input_ids, attention_mask=torch.cat([context_mask, new_mask.to(context_mask)], dim=-1),
+                cache=copy.deepcopy(context), max_new_tokens=max_new_tokens,
+                min_new_tokens=0 if eos else max_new_tokens, do_sample=False, num_beams=1,
+                eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
+            )
+        finally:
+            self._evicting = True
+        return sequences[:, input_ids.shape[1]:]
+
+    @property
+    def parameters(self) -> KVCacheCompressionParameters:
+        """The parameters in force (a fractional budget's are those of the current sequence's prompt)."""
+        return self.budget.parameters
+
+    @property
+    def compressed_layers(self) -> list[int]:
+        return self.layout.compressed_layers
+
+    @property
+    def layers(self) -> dict[int, LayerState]:
+        """The eviction state of each compressed layer of the latest cache the session ran on."""
+        if self.cache is None:
+            return {}
+        return {index: self.cache.layers[index].state for index in self.compressed_layers
+                if index < len(self.cache.layers) and getattr(self.cache.layers[index], "state", None) is not None}
+
+    # ------------------------------------------------------------------ decoder hooks
+    def _before_decoder(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not self.compressed_layers:
+            return None
+        replay = self._replaying
+        token_ids = tokens = kwargs.get("input_ids", args[0] if args else None)  # ids: None for embeddings
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        batch, length = tokens.shape[:2]
+        if length == 0:
+            raise ValueError("kvcompress: the input has no tokens (empty prompt); give at least one token")
+        cache_key = "past_key_values" if "past_key_values" in kwargs and "cache" not in kwargs else "cache"
+        cache = kwargs.get(cache_key)
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(module.config, "use_cache", True)
+        if cache is None:
+            if not use_cache:
+                self._forward = None
+                return None
+            cache = DynamicCache(config=module.config)
+            kwargs[cache_key] = cache
+        adopt_cache(cache, self.compressed_layers, len(self.layout.attention_modules))
+        self.cache = cache
+        seen = cache.get_seq_length()
+        states = [cache.layers[index].state for index in self.compressed_layers]
+        if states[0] is not None and states[0].slot_valid.shape[0] != batch:
+            raise ValueError(
+                f"kvcompress: the cache holds {states[0].slot_valid.shape[0]} sequences, the input {batch}; continue "
+                "a compressed cache with the same batch"
+            )
+        if length > 1 and self._evicting and not replay and any(s is not None and s.folded_heads for s in states):
+            raise ValueError(
+                f"kvcompress: budget_allocation={self.parameters.budget_allocation!r} compresses one prompt; this "
+                "cache already holds its per-head selection and is not compressed again. Ask each question on the "
+                "compressed context with session.prefill(context) then session.generate(question), or start a new "
+                "cache (chat turns that compress again need a budget_allocation of 'uniform', 'global' or 'pyramid')"
+            )
+        device = tokens.device
+        mask = kwargs.get("attention_mask")
+        new_valid = new_token_validity(mask, batch, length, seen, device)
+        if seen == 0:
+            self.evictions = 0
+            previous = self.parameters
+            params = self.budget.start_sequence(new_valid, self.compressed_layers)
+            if params != previous:
+                self.scorer = params.scorer(params)
+                self.scorer.bind(self.model, self.tokenizer)
+        given = kwargs.get("position_ids")
+        # without position ids transformers numbers the new tokens after the cache's true length, as we do
+        true_positions = given.expand(batch, -1) if given is not None else (
+            seen + torch.arange(length, device=device)).expand(batch, -1)
+        positions = true_positions
+        if self.parameters.rerotate_keys:  # every layer keeps the same slots' count: one compact position each
+            live = states[0].live if states[0] is not None else torch.zeros(batch, dtype=torch.long, device=device)
+            positions = (live[:, None] + new_valid.long().cumsum(-1) - 1).clamp(min=0)
+        kwargs["position_ids"] = positions
+        # one layout for every layer (the decoder's mask describes it), or None (each layer's own)
+        layout = shared_layout(states, new_valid)
+        kwargs["attention_mask"] = decoder_mask(module, tokens, mask, layout, cache, positions,
+                                                bool(self.layout.sliding_layers))
+        self._forward = Forward(
+            valid=new_valid, positions=positions.to(torch.long), true_positions=true_positions.to(torch.long),
+            cache=cache, scorer=self.scorer, budget=self.budget, timings=self.timings, layout=layout, replay=replay,
+            evicting=self._evicting, tokens=token_ids,
+            inv_freq=self.layout.rotary_emb.inv_freq if self.parameters.rerotate_keys else None,
+        )
+        return args, kwargs
+
+    def _after_decoder(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        forward, self._forward = self._forward, None
+        if forward is None or forward.replay:  # a reconstruction pass: its tokens were dropped layer by layer
+            return
+        if forward.attended != len(self.compressed_layers):
+            raise RuntimeError(
+                f"kvcompress: {len(self.compressed_layers) - forward.attended} compressed layers ran without the "
+                "session's attention function (was config._attn_implementation changed inside the `with` block?)"
+            )
+        slack = self.budget.slack(forward.length, self._evicting)
+        if forward.reconstruct_due:
+            # as in evict: only the sequences over budget evict now (and are reconstructed), as they would alone
+            state = forward.due[0][1].state
+            over = state.live > self.budget.layer_slots(state) + slack
+            self._reconstruct(forward, forward.valid & over[:, None])
+        if forward.due:  # a decode step's evictions, or a prompt's whose layers share one budget or were reconstructed
+            forward.evict(forward.due, slack, allocate=forward.length > 1 and self.parameters.layers_share_budget)
+        self.evictions += forward.evicted or bool(forward.due)
+
+    def _reconstruct(self, forward: Forward, selected: torch.Tensor) -> None:
+        """The scorer's context-reconstruction passes (KVzip) over the full cache of this prompt, each sequence's
+        ``selected`` tokens; the passes' forwards score and drop their own slots (``Forward.attend``)."""
+        if forward.tokens is None:
+            raise ValueError(
+                f"kvcompress: algorithm={self.parameters.algorithm!r} reconstructs the prompt from its token ids; "
+                "pass input_ids, not inputs_embeds"
+            )
+        started = time.perf_counter()
+        following = forward.true_positions[:, -1:] + 1  # the prompt's last token is real (left padding)
+        self._replaying = True
+        try:
+            self.scorer.reconstruct(self.layout.decoder, forward.cache, forward.tokens, selected, following,
+                                    self.layout.sliding_layers)
+        finally:
+            self._replaying = False
+        self.timings["reconstruction"] += time.perf_counter() - started
+
+    # ------------------------------------------------------------------ attention call
+    def _attend(self, module, query, key, value, attention_mask, original, **kwargs):
+        """The module's attention call (``attention_function``): the forward in flight's (``Forward.attend``), or
+        the original function outside one."""
+        if self._forward is None:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        return self._forward.attend(module, query, key, value, attention_mask, original, **kwargs)
