@@ -101,8 +101,8 @@ def test_budget_above_prompt_changes_nothing(default_model):
 def test_snapkv_at_20_percent_keeps_retrieval(default_model):
     """10 seeded passkey / key-value prompts: SnapKV keeps >= 90% of full-cache accuracy and beats start+recent.
     The needles sit at every other depth of the 20-prompt set the suite ran before (float32 there: full 18,
-    SnapKV 17, start+recent 2), the depths where the full cache answers both tasks (float32: full 10, SnapKV 10,
-    start+recent 2)."""
+    SnapKV 17, start+recent 2), the depths where the full cache answers both tasks (float32 and bfloat16 alike:
+    full 10, SnapKV 10, start+recent 2)."""
     model, tokenizer = default_model
     samples = make_samples(["passkey", "kv-2"], [1024], RETRIEVAL_DEPTHS[1::2], seed=0, tokenizer=tokenizer)
     assert len(samples) == 10
