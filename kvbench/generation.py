@@ -39,20 +39,9 @@ class Generated:
 
 def cache_bytes(cache: Any, tokens: int) -> tuple[int, int]:
     """(bytes held, bytes the full cache would hold for ``tokens`` tokens) of a batch-of-one cache."""
-    from kvcompress.cache import CompressedLayer
+    from kvcompress.cache import full_cache_bytes, kv_cache_bytes
 
-    held = full = 0
-    for layer in cache.layers:
-        if layer.keys is None or not layer.keys.numel():
-            continue
-        size = layer.keys.nbytes + layer.values.nbytes
-        held += size
-        if isinstance(layer, CompressedLayer):  # a folded layer's slot is one head's (kvcompress/ragged.py)
-            heads = layer.folded_heads or 1
-            full += (layer.keys[..., :1, :].nbytes + layer.values[..., :1, :].nbytes) * heads * tokens
-        else:
-            full += size
-    return held, full
+    return kv_cache_bytes(cache), full_cache_bytes(cache, tokens)
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from .ragged import fold_kept, fold_new_tokens
+from .ragged import fold_kept, fold_new_tokens, folded_attention, folded_head_of_new
 from .rerotation import rotate_keys
 from .selection.windows import left_aligned_indices
 from .state import LayerState, gather_slots
@@ -61,6 +61,23 @@ class CompressedLayer(DynamicLayer):
         if self.folded_heads is not None:  # the session attends itself and ignores this mask (ragged.py)
             return physical + query_length, 0
         return physical + query_length, self.cumulative_length - physical
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Key and value bytes one token takes in this layer (every head's slot of it, folded or not)."""
+        return (self.keys[..., :1, :].nbytes + self.values[..., :1, :].nbytes) * (self.folded_heads or 1)
+
+    def own_attention(self, query, key, value, layout: torch.Tensor, scaling: float,
+                      softcap: float | None) -> torch.Tensor | None:
+        """The attention output of a layer whose layout the model's attention cannot take (a folded one:
+        ``ragged.folded_attention`` over its per-head slots, ``layout`` its slots' validity this forward), else
+        None (the scorer's pass or the model's own function computes it)."""
+        if self.folded_heads is None:
+            return None
+        batch, _, length, _ = query.shape
+        heads = torch.cat([self.state.slot_head, folded_head_of_new(self.folded_heads, length, batch, query.device)],
+                          dim=-1)
+        return folded_attention(query, key, value, layout, heads, self.folded_heads, scaling, softcap)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
@@ -172,6 +189,13 @@ def state_bytes(cache: Cache) -> int:
     """Bytes of the eviction state the compressed layers keep beside their keys and values (scores, positions,
     slot layout): what a compressed sequence costs on top of ``kv_cache_bytes``."""
     return sum(layer.state.nbytes for layer in cache.layers if getattr(layer, "state", None) is not None)
+
+
+def full_cache_bytes(cache: Cache, tokens: int) -> int:
+    """Bytes the uncompressed cache would hold for ``tokens`` tokens of a batch of one: each compressed layer's
+    bytes per token times the tokens, every other layer as it is."""
+    return sum(layer.bytes_per_token * tokens if isinstance(layer, CompressedLayer) else layer.keys.nbytes
+               + layer.values.nbytes for layer in _filled_layers(cache))
 
 
 def kv_cache_length(cache: Cache) -> int:

@@ -31,7 +31,6 @@ from .cache import CompressedLayer
 from .kernels.attention import observation_counts
 from .kernels.value_norm import projected_value_l1
 from .masks import additive_mask
-from .ragged import folded_attention, folded_head_of_new, per_new_slot
 from .scoring.base import AttentionCall, Scorer
 from .selection.evict import evict
 from .state import LayerState
@@ -81,22 +80,20 @@ class Forward:
         started = time.perf_counter()
         layer = self.cache.layers[module.layer_idx]
         state = self._layer_state(layer, module.layer_idx, key)
-        folds = state.folded_heads
-        cached = key.shape[-2] - query.shape[2] * (folds or 1)
+        cached = key.shape[-2] - state.new_slots(query.shape[2])
         if state.length != cached:
             raise RuntimeError(
                 f"kvcompress: layer {module.layer_idx} holds {cached} cached slots but its scores cover "
                 f"{state.length}; the cache was modified outside the compressor"
             )
         self.attended += 1
-        output = head_scores = None
+        head_scores = None
         layout, all_live = self._layer_layout(state)
         scaling = kwargs.get("scaling") or module.scaling
-        if folds:  # heads of their own lengths (ragged.py): selected once, never scored again
-            heads = torch.cat([state.slot_head, folded_head_of_new(folds, query.shape[2], query.shape[0],
-                                                                   query.device)], dim=-1)
-            output = folded_attention(query, key, value, layout, heads, folds, scaling, kwargs.get("softcap"))
-        elif self.parameters.intermediate_size > 0:  # else only fixed windows survive: scores are never read
+        # a folded layer (heads of their own lengths) attends itself: selected once, never scored again
+        output = layer.own_attention(query, key, value, layout, scaling, kwargs.get("softcap"))
+        # with no scored area only fixed windows survive: scores are never read
+        if output is None and self.parameters.intermediate_size > 0:
             call = AttentionCall(
                 module=module, queries=query, keys=key, values=value, slot_valid=layout,
                 observed=self._observe(key.shape[-2])[0], scaling=scaling, softcap=kwargs.get("softcap"),
@@ -133,10 +130,7 @@ class Forward:
         live: the shared one when every layer has the same, else the layer's own."""
         if self.layout is not None:
             return self.layout
-        new_valid = self.valid
-        if state.folded_heads:  # one slot per head and token (ragged.fold_new_tokens)
-            new_valid = per_new_slot(new_valid, state.folded_heads)
-        layout = torch.cat([state.slot_valid, new_valid], dim=-1)
+        layout = state.forward_layout(self.valid)
         # asking an accelerator whether all are live would wait for it in every layer: assume not (masks are safe)
         return layout, layout.device.type == "cpu" and bool(layout.all())
 

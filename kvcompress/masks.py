@@ -42,7 +42,7 @@ def shared_layout(states: list[LayerState | None], new_valid: torch.Tensor) -> t
     (on an accelerator each read waits for the work queued before it)."""
     if all(state is None for state in states):
         return new_valid, bool(new_valid.all())
-    if any(state is None or state.folded_heads for state in states):
+    if any(state is None or not state.shares_layout for state in states):
         return None
     first = states[0].slot_valid
     if any(state.length != first.shape[-1] for state in states[1:]):

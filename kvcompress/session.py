@@ -222,7 +222,7 @@ class CompressionSession:
                 f"kvcompress: the cache holds {states[0].slot_valid.shape[0]} sequences, the input {batch}; continue "
                 "a compressed cache with the same batch"
             )
-        if length > 1 and self._evicting and not replay and any(s is not None and s.folded_heads for s in states):
+        if length > 1 and self._evicting and not replay and any(s is not None and s.compressed_once for s in states):
             raise ValueError(
                 f"kvcompress: budget_allocation={self.parameters.budget_allocation!r} compresses one prompt; this "
                 "cache already holds its per-head selection and is not compressed again. Ask each question on the "

@@ -245,6 +245,28 @@ class LayerState:
         return self._fewest_units
 
     @property
+    def compressed_once(self) -> bool:
+        """A head-wise selection folded the layer (``fold_heads``): it is not compressed again."""
+        return self.folded_heads is not None
+
+    @property
+    def shares_layout(self) -> bool:
+        """Whether the layer's slots form one (B, T) layout for all heads, as the decoder's 2-D mask describes
+        (a folded layer's slots are per head)."""
+        return self.folded_heads is None
+
+    def forward_layout(self, new_valid: torch.Tensor) -> torch.Tensor:
+        """The layer's slot layout in a forward whose tokens' validity is ``new_valid`` (B, q): its cached slots,
+        then the new ones (a folded layer's: one per head and token, ``ragged.fold_new_tokens``' order)."""
+        if self.folded_heads is not None:
+            new_valid = per_new_slot(new_valid, self.folded_heads)
+        return torch.cat([self.slot_valid, new_valid], dim=-1)
+
+    def new_slots(self, tokens: int) -> int:
+        """Slots a forward of ``tokens`` tokens appends (one per head and token in a folded layer)."""
+        return tokens * (self.folded_heads or 1)
+
+    @property
     def nbytes(self) -> int:
         """Bytes the state holds (its buffers, spare capacity included, and the scorer's statistics)."""
         tensors = [buffer for buffer in self._buffers.values() if buffer is not None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import transformers
@@ -23,6 +24,11 @@ def torch_threads(count: int):
         yield
     finally:
         torch.set_num_threads(previous)
+
+def both_cores():
+    """``torch_threads`` for the suite's longest real-model tests: the machine's cores, two at most (CI's)."""
+    return torch_threads(max(torch.get_num_threads(), min(2, os.cpu_count() or 1)))
+
 
 _COMMON = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -9,7 +9,6 @@ does not depend on the processor) on seeded prompts of ~1,000 tokens, built by t
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor, models
 from kvcompress.cache import kv_cache_length
-from tiny_models import torch_threads
+from tiny_models import both_cores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from retrieval_methods import method_parameters  # noqa: E402
@@ -107,16 +106,17 @@ def test_snapkv_at_20_percent_keeps_retrieval(default_model):
     samples = make_samples(["passkey", "kv-2"], [1024], RETRIEVAL_DEPTHS[1::2], seed=0, tokenizer=tokenizer)
     assert len(samples) == 10
     correct = {"full": 0, "snapkv-norm_sum": 0, "start+recent": 0}
-    for sample in samples:
-        input_ids = torch.tensor([sample.input_ids])
-        budget = round(0.2 * sample.prompt_tokens)
-        for method in correct:
-            params = None if method == "full" else method_parameters(method, budget)
-            out = _greedy(model, input_ids, params, max_new_tokens=10)
-            text = tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True)
-            correct[method] += sample.is_correct(text)
-            if params is not None:
-                assert kv_cache_length(out.past_key_values) <= params.max_cache_size + params.decode_slack
+    with both_cores():
+        for sample in samples:
+            input_ids = torch.tensor([sample.input_ids])
+            budget = round(0.2 * sample.prompt_tokens)
+            for method in correct:
+                params = None if method == "full" else method_parameters(method, budget)
+                out = _greedy(model, input_ids, params, max_new_tokens=10)
+                text = tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True)
+                correct[method] += sample.is_correct(text)
+                if params is not None:
+                    assert kv_cache_length(out.past_key_values) <= params.max_cache_size + params.decode_slack
     assert correct["full"] >= 0.8 * len(samples), correct
     assert correct["snapkv-norm_sum"] >= 0.9 * correct["full"], correct
     assert correct["snapkv-norm_sum"] > correct["start+recent"], correct
@@ -140,18 +140,19 @@ def test_kvzip_keeps_ruler_needles_when_the_context_is_compressed_first(default_
     except RulerUnavailableError as error:
         pytest.skip(f"RULER's generator is not installed: {error}")
     correct = {"full": 0, "kvzip": 0, "streaming_llm": 0}
-    for line in result.path.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
-        prompt = encode_prompt(tokenizer, split_input("niah_single_1", record["input"]), "context_first")
-        ids = torch.tensor([prompt.input_ids])
-        context, question = ids[:, : prompt.prefill_length], ids[:, prompt.prefill_length :]
-        full = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
-        correct["full"] += record["outputs"][0] in tokenizer.decode(full[0, ids.shape[1] :])
-        for method in ("kvzip", "streaming_llm"):
-            with compress(model, method=method, budget=0.2, tokenizer=tokenizer) as session:
-                session.prefill(context)
-                answer = session.generate(question, max_new_tokens=12)
-            correct[method] += record["outputs"][0] in tokenizer.decode(answer[0])
+    with both_cores():
+        for line in result.path.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            prompt = encode_prompt(tokenizer, split_input("niah_single_1", record["input"]), "context_first")
+            ids = torch.tensor([prompt.input_ids])
+            context, question = ids[:, : prompt.prefill_length], ids[:, prompt.prefill_length :]
+            full = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+            correct["full"] += record["outputs"][0] in tokenizer.decode(full[0, ids.shape[1] :])
+            for method in ("kvzip", "streaming_llm"):
+                with compress(model, method=method, budget=0.2, tokenizer=tokenizer) as session:
+                    session.prefill(context)
+                    answer = session.generate(question, max_new_tokens=12)
+                correct[method] += record["outputs"][0] in tokenizer.decode(answer[0])
     assert correct["full"] >= 5, correct
     assert correct["kvzip"] >= correct["full"] - 1, correct
     assert correct["kvzip"] >= correct["streaming_llm"] + 4, correct
@@ -183,8 +184,7 @@ def test_a_chat_resumes_a_compressed_cache_and_finds_the_first_turns_passkey(def
         return sample.is_correct(text), answer.past_key_values
 
     correct = {"full": 0, "kvzip": 0}
-    # the suite's longest test: both cores
-    with torch_threads(max(torch.get_num_threads(), min(2, os.cpu_count() or 1))):
+    with both_cores():
         for depth in RETRIEVAL_DEPTHS[::2]:
             sample = make_chat_sample("passkey", 1200, depth, 3, tokenizer)
             correct["full"] += chat(sample)[0]
