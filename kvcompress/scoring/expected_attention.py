@@ -20,6 +20,7 @@ from ..state import by_head
 from .base import AttentionCall, Scorer
 
 N_SINK = 4  # leading positions left out of the statistics and never evicted by this score (kvpress's n_sink)
+STATISTICS_ELEMENTS = 1 << 24  # float32 query elements unrotated at once for the statistics (a chunk of rows)
 
 
 class ExpectedAttention(Scorer):
@@ -45,15 +46,26 @@ class ExpectedAttention(Scorer):
         return None, None
 
     def _statistics(self, call: AttentionCall) -> dict[str, torch.Tensor]:
+        """The unrotated queries' mean and covariance per query head, in two passes over chunks of rows (mean,
+        then centred products): no float32 copy of all of a long prompt's queries exists at once."""
         inv_freq = self.inv_freq.to(device=call.queries.device, dtype=torch.float32)
-        queries = rotate_keys(call.module, call.queries.float(), -call.positions, inv_freq)  # (B, H, q, d) unrotated
+        batch, heads, length, head_dim = call.queries.shape
         weight = (call.observed & (call.positions >= N_SINK)).float()  # (B, q)
         count = weight.sum(-1).clamp(min=1.0)[:, None, None]
-        mean = torch.einsum("bhqd,bq->bhd", queries, weight) / count
-        centred = (queries - mean.unsqueeze(2)) * weight[:, None, :, None]
-        covariance = centred.transpose(-1, -2) @ centred / count.unsqueeze(-1)  # (B, H, d, d)
+        step = max(1, STATISTICS_ELEMENTS // (batch * heads * head_dim))
+        chunks = [slice(start, start + step) for start in range(0, length, step)]
+
+        def unrotated(rows: slice) -> torch.Tensor:  # (B, H, rows, d) float32 at position 0
+            return rotate_keys(call.module, call.queries[:, :, rows].float(), -call.positions[:, rows], inv_freq)
+
+        mean = sum(torch.einsum("bhqd,bq->bhd", unrotated(rows), weight[:, rows]) for rows in chunks) / count
+        covariance = call.queries.new_zeros(batch, heads, head_dim, head_dim, dtype=torch.float32)
+        for rows in chunks:
+            centred = (unrotated(rows) - mean.unsqueeze(2)) * weight[:, None, rows, None]
+            covariance += centred.transpose(-1, -2) @ centred
+        covariance /= count.unsqueeze(-1)  # (B, H, d, d)
         rotation = averaged_rotation(call.positions[:, -1] + 1, self.settings["future_positions"], inv_freq,
-                                     queries.shape[-1])  # (B, d, d)
+                                     head_dim)  # (B, d, d)
         mean = torch.einsum("bij,bhj->bhi", rotation, mean)
         covariance = rotation.unsqueeze(1) @ covariance @ rotation.transpose(-1, -2).unsqueeze(1)
         if not self.settings["covariance"]:

@@ -166,3 +166,25 @@ def test_expected_attention_is_the_rotated_query_attention_when_queries_are_iden
     torch.testing.assert_close(scores[..., N_SINK:], expected, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(scores[..., N_SINK:].sum(-1), torch.ones(batch, kv_heads))
     assert bool((scores[..., :N_SINK] > scores[..., N_SINK:].max()).all())  # sinks are never evicted first
+
+
+def test_expected_attention_statistics_do_not_depend_on_the_row_chunks(monkeypatch):
+    """The queries' mean and covariance are accumulated over chunks of rows (bounded memory on long prompts): one
+    row per chunk gives what one chunk of all rows gives, padding and sink positions left out alike."""
+    from kvcompress.scoring import expected_attention
+
+    model = tiny_model("llama")
+    params = KVCacheCompressionParameters(algorithm="expected_attention")
+    scorer = ExpectedAttention(params)
+    scorer.bind(model, None)
+    generator = torch.Generator().manual_seed(3)
+    observed = torch.ones(2, 30, dtype=torch.bool)
+    observed[1, :5] = False
+    call = type("Call", (), dict(module=model.model.layers[0].self_attn, scaling=0.25, observed=observed,
+                                 queries=torch.randn(2, 4, 30, 16, generator=generator),
+                                 positions=(torch.arange(30)[None] - torch.tensor([[0], [5]])).clamp(min=0)))()
+    whole = scorer._statistics(call)
+    monkeypatch.setattr(expected_attention, "STATISTICS_ELEMENTS", 1)
+    rows = scorer._statistics(call)
+    for name in ("mean", "covariance"):
+        torch.testing.assert_close(rows[name], whole[name], rtol=1e-5, atol=1e-6)
