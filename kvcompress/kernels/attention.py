@@ -40,6 +40,7 @@ import math
 import torch
 
 from kvcompress.kernels import native, triton_attention
+from kvcompress.kernels.flash import flash_attention
 
 # Query rows per chunk (see the module docstring), and the bound on float32 logits held at once as a multiple of
 # the forward's hidden states (B · q · H · d elements); MIN/MAX keep chunks sensible for tiny models and huge
@@ -304,34 +305,22 @@ def prefix_max_attention(
     kernel is not available (faster than the torch chunks of ``observed_attention``: two fused calls and one
     product). The forward's own slots score 0 (they leave the cache after the pass).
 
-    The work goes to torch's flash attention in the model's own dtype, twice: the queries against the prefix
-    (no mask: every query sees all of it) and against their own tokens (a square causal block), each returning
-    its log-sum-exp, so that the two merge exactly into the output and the row normalisers. A slot's score is
+    The work goes to torch's flash attention in the model's own dtype (``flash.py``: the prefix and the pass's own
+    block, merged exactly by their log-sum-exps into the output and the row normalisers). A slot's score is
     then ``exp(max_i (q_i·k·scaling - lse_i))``: the normaliser rides on the queries as one more column, so the
     scores cost one float32 matrix product and a running maximum, no exponential per weight. The scores are the
     exact softmax weights of the given queries and keys (float32 products: computed in bfloat16 they moved a
-    RULER answer); the output is rounded to the model's dtype once, as its own sdpa call would round it.
+    RULER answer).
     Shapes as ``observed_attention``: queries (B, H, q, d), keys / values (B, H_kv, T, d); returns the output
     (B, q, H, d) and the scores (B, H_kv, T) in float32.
     """
     batch, heads, length, head_dim = queries.shape
     total, kv_heads = keys.shape[-2], keys.shape[1]
     groups, base = heads // kv_heads, total - length
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-    def per_query_head(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.repeat_interleave(groups, dim=1) if groups > 1 else tensor
-
-    own_output, own_lse = flash(queries, per_query_head(keys[:, :, base:]), per_query_head(values[:, :, base:]),
-                                0.0, True, scale=scaling)
+    output, lse = flash_attention(queries, keys, values, scaling)  # (B, H, q, d), (B, H, q) float32
     scores = torch.zeros(batch, kv_heads, total, device=keys.device)
     if base == 0:
-        return own_output.transpose(1, 2), scores
-    prefix_output, prefix_lse = flash(queries, per_query_head(keys[:, :, :base]),
-                                      per_query_head(values[:, :, :base]), 0.0, False, scale=scaling)
-    lse = torch.logaddexp(prefix_lse, own_lse)  # (B, H, q) float32
-    output = (prefix_output.float() * (prefix_lse - lse).exp().unsqueeze(-1)
-              + own_output.float() * (own_lse - lse).exp().unsqueeze(-1)).to(queries.dtype)
+        return output.transpose(1, 2), scores
     # (B, H_kv, base, d + 1) keys with 1 appended, against (B, H_kv, d + 1, rows) queries with -lse appended;
     # keys first, so that the maximum runs along contiguous memory
     rows = torch.cat([(queries.float() * scaling).reshape(batch, kv_heads, groups * length, head_dim),

@@ -32,6 +32,8 @@ import warnings
 
 import torch
 
+from .flash import flash_attention
+
 try:
     import triton
     import triton.language as tl
@@ -163,7 +165,8 @@ def _flash_forward(queries, keys, values, scaling: float) -> tuple[torch.Tensor,
     if _flash_failed:
         return None
     try:
-        return _flash_merged(queries, keys, values, scaling)
+        output, lse = flash_attention(queries, keys, values, scaling)
+        return output.transpose(1, 2).contiguous(), lse * LOG2_E
     except RuntimeError as error:  # an older GPU, an unsupported head size
         _flash_failed = True
         warnings.warn(f"kvcompress: torch's flash attention is unavailable here ({error}); the Triton forward "
@@ -172,46 +175,6 @@ def _flash_forward(queries, keys, values, scaling: float) -> tuple[torch.Tensor,
 
 
 _flash_failed = False
-
-
-def _flash_merged(queries, keys, values, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    base = keys.shape[2] - queries.shape[2]
-    own_output, own_lse = _flash(queries, keys[:, :, base:], values[:, :, base:], scaling, causal=True)
-    if base == 0:
-        return own_output.transpose(1, 2).contiguous(), own_lse * LOG2_E
-    prefix_output, prefix_lse = _flash(queries, keys[:, :, :base], values[:, :, :base], scaling, causal=False)
-    lse = torch.logaddexp(prefix_lse, own_lse)
-    output = (prefix_output.float() * (prefix_lse - lse).exp().unsqueeze(-1)
-              + own_output.float() * (own_lse - lse).exp().unsqueeze(-1)).to(queries.dtype)
-    return output.transpose(1, 2).contiguous(), lse * LOG2_E
-
-
-_gqa_in_flash: dict[str, bool] = {}  # per device type: whether torch's flash op takes fewer key / value heads
-
-
-def _flash(queries, keys, values, scaling: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, H, q, d) output and natural log-sum-exp (B, H, q) float32 of one flash call (torch's CPU flash op where
-    the tensors are on CPU: the tests' way to check the merge); keys and values repeated per query head only
-    where the op does not take grouped heads itself (asked once per device type)."""
-    device = queries.device.type
-    if device == "cpu":
-        def flash(q, k, v):
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scaling)
-    else:
-        def flash(q, k, v):
-            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scaling)
-    groups = queries.shape[1] // keys.shape[1]
-    if groups > 1 and _gqa_in_flash.get(device, True):
-        try:
-            output, lse = flash(queries, keys, values)[:2]
-            _gqa_in_flash[device] = True
-            return output, lse[..., : queries.shape[2]].contiguous()
-        except RuntimeError:
-            _gqa_in_flash[device] = False
-    if groups > 1:
-        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-    output, lse = flash(queries, keys, values)[:2]
-    return output, lse[..., : queries.shape[2]].contiguous()
 
 
 def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
