@@ -63,19 +63,21 @@ class BudgetPlan:
             lengths = prompt_valid.sum(-1).tolist()
             self.parameters = params = self._prompt_parameters(max(lengths))
             windows = params.start_size + params.recent_size
-            base = torch.tensor([max(0, self._prompt_budget(n) - windows) // params.unit_size for n in lengths],
-                                device=prompt_valid.device)
+            areas = [max(0, self._prompt_budget(n) - windows) // params.unit_size for n in lengths]
+            base = torch.tensor(areas, device=prompt_valid.device), min(areas)
         self.sequence_units = self._initial_units(base, prompt_valid.shape[0], prompt_valid.device, layers)
         return self.parameters
 
-    def _initial_units(self, base: torch.Tensor | None, batch: int, device: torch.device,
+    def _initial_units(self, base: tuple[torch.Tensor, int] | None, batch: int, device: torch.device,
                        layers: list[int]) -> dict[int, tuple[torch.Tensor, int]]:
+        """Each layer's area per sequence and its smallest value; ``base`` (a fractional budget's per-sequence
+        areas (B,) and their minimum, known on the host) or the parameters' uniform area."""
         params = self.parameters
         if params.budget_allocation != "pyramid":
-            return {} if base is None else dict.fromkeys(layers, (base, int(base.min())))
-        if base is None:
-            base = torch.full((batch,), self.uniform_units(), dtype=torch.long, device=device)
-        shares = pyramid_scored_units(base, len(layers), params.pyramid_beta)
+            return {} if base is None else dict.fromkeys(layers, base)
+        areas = base[0] if base is not None else torch.full((batch,), self.uniform_units(), dtype=torch.long,
+                                                             device=device)
+        shares = pyramid_scored_units(areas, len(layers), params.pyramid_beta)
         fewest = shares.min(-1).values.tolist()
         return {index: (shares[number], fewest[number]) for number, index in enumerate(layers)}
 

@@ -35,7 +35,7 @@ def triton_path(monkeypatch):
     return use
 
 
-def _kept_positions(cache, session):
+def _kept_positions(session):
     return {index: (state.true_positions.clone(), state.slot_valid.clone())
             for index, state in session.layers.items()}
 
@@ -46,7 +46,7 @@ def _run(model, method, budget, ids, mask, **overrides):
                                               **overrides) as session:
         out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=4, min_new_tokens=4,
                              do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        return out, _kept_positions(cache, session)
+        return out, _kept_positions(session)
 
 
 def test_budget_above_the_prompt_gives_the_uncompressed_tokens(triton_path):
