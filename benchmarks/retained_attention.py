@@ -42,8 +42,8 @@ def methods(budget: int) -> dict[str, KVCacheCompressionParameters]:
     return {
         "streaming (start+recent)": KVCacheCompressionParameters.from_budget(budget, start_size=32,
                                                                              recent_size=budget - 32),
-        "h2o sum": KVCacheCompressionParameters(algorithm="h2o", score_aggregation="sum", **split),
-        "h2o norm_sum": KVCacheCompressionParameters(algorithm="h2o", **split),
+        "h2o sum": KVCacheCompressionParameters(method="h2o", score_aggregation="sum", **split),
+        "h2o norm_sum": KVCacheCompressionParameters(method="h2o", **split),
         "snapkv sum": KVCacheCompressionParameters(score_aggregation="sum", **split),
         "snapkv norm_sum": KVCacheCompressionParameters(**split),
         "snapkv per_group": KVCacheCompressionParameters(**grouped),

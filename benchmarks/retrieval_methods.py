@@ -22,10 +22,10 @@ def start_recent(budget: int) -> KVCacheCompressionParameters:
     return preset(STREAMING_LLM, budget, start_size=preset("snapkv", budget).start_size)
 
 
-def refined(budget: int, algorithm: str, refined_algorithm: str) -> KVCacheCompressionParameters:
+def refined(budget: int, method: str, refined_algorithm: str) -> KVCacheCompressionParameters:
     """A quarter of the intermediate area chosen by the refined selector, the rest by the coarse top-k."""
-    return preset(algorithm, budget, refined_algorithm=refined_algorithm,
-                  refined_size=preset(algorithm, budget).intermediate_size // 4)
+    return preset(method, budget, refined_algorithm=refined_algorithm,
+                  refined_size=preset(method, budget).intermediate_size // 4)
 
 
 METHODS: dict[str, MakeParameters] = {

@@ -38,7 +38,6 @@ __all__ = [
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-STREAMINGLLM = "streamingllm"  # the runner's name for kvcompress's streaming_llm preset (KVCache-Factory's)
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct of kvcompress.models
 DEFAULT_BENCHMARK = "longbench"
 
@@ -81,7 +80,7 @@ class CompressionSetting:
             raise ValueError(f"setting {self.name!r} is the full cache: nothing to attach")
         if self.parameters is not None:
             return CompressionSession(model, self.parameters, tokenizer)
-        return compress(model, _preset_name(self.method), self.budget, tokenizer, **self.overrides)
+        return compress(model, self.method, self.budget, tokenizer, **self.overrides)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -150,16 +149,10 @@ def _parameter_fields() -> frozenset[str]:
 
 
 def _methods() -> tuple[str, ...]:
-    """``none``, ``streamingllm`` and every kvcompress preset (the registered scorers)."""
-    from kvcompress.presets import NONE, STREAMING_LLM, method_names
+    """``none``, ``streaming_llm`` and every kvcompress preset (the registered scorers)."""
+    from kvcompress.presets import method_names
 
-    return (NONE, STREAMINGLLM, *(m for m in method_names() if m not in (NONE, STREAMING_LLM)))
-
-
-def _preset_name(method: str) -> str:
-    from kvcompress.presets import STREAMING_LLM
-
-    return STREAMING_LLM if method == STREAMINGLLM else method
+    return tuple(method_names())
 
 
 def _build_parameters(method: str, budget: int | float | None, fields: dict[str, Any], key: str) -> Any:
@@ -171,10 +164,8 @@ def _build_parameters(method: str, budget: int | float | None, fields: dict[str,
 
     try:
         if budget is not None:
-            return preset(_preset_name(method), budget_slots(budget, 1024), **fields)
-        if fields.get("algorithm", method) != method:
-            raise ValueError(f"algorithm: {fields['algorithm']!r} contradicts method {method!r}")
-        return KVCacheCompressionParameters.from_dict({**fields, "algorithm": method})
+            return preset(method, budget_slots(budget, 1024), **fields)
+        return KVCacheCompressionParameters.from_dict({**fields, "method": method})
     except (TypeError, ValueError) as error:
         field = str(error).split(":")[0]
         named = field in _parameter_fields() or field == "budget"
@@ -202,13 +193,15 @@ def _budget_label(budget: int | float) -> str:
 def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
     if entry in ("none", "full"):
         return [CompressionSetting("full", "none", None)]
-    section = dict(check_mapping(entry, key))
-    parameter_fields = _parameter_fields()
-    no_unknown_keys(section, {"name", "method", "budget", "budgets"} | parameter_fields, key)
-    if "method" in section:
-        method = check_string(section.pop("method"), f"{key}.method", _methods())
-    else:  # explicit fields: the algorithm names the method (kvcompress's default algorithm when absent)
-        method = check_string(section.get("algorithm", "snapkv"), f"{key}.algorithm", ("snapkv", "h2o"))
+    from kvcompress.parameters import RENAMED_KEYS, renamed
+
+    section = check_mapping(entry, key)
+    no_unknown_keys(section, {"name", "budget", "budgets", *RENAMED_KEYS} | _parameter_fields(), key)
+    try:
+        section = renamed(section, f"{key}.")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    method = check_string(section.pop("method", "snapkv"), f"{key}.method", _methods())
     name = check_name(section.pop("name"), f"{key}.name") if "name" in section else None
     if method == "none":
         if section:
@@ -223,8 +216,8 @@ def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
         budgets = [_budget(value, f"{key}.budgets[{index}]") for index, value in enumerate(budgets)]
     elif "budget" in section:
         budgets = [_budget(section.pop("budget"), f"{key}.budget")]
-    elif method == STREAMINGLLM:
-        raise ConfigError(f"{key}.budget: required for method '{STREAMINGLLM}'")
+    elif method == "streaming_llm":
+        raise ConfigError(f"{key}.budget: required for method 'streaming_llm'")
     else:
         budgets = [None]
     settings = []

@@ -2,14 +2,14 @@
 CriticalKV refinement) for Hugging Face transformers models."""
 
 from .compressor import KVCacheCompressor, compress
-from .parameters import KVCacheCompressionMode, KVCacheCompressionParameters
+from .parameters import KVCacheCompressionParameters
 from .presets import method_names, preset
 from .scoring.base import AttentionCall, Scorer
 from .scoring.registry import register
 from .session import CompressionSession
 
 __all__ = [
-    "AttentionCall", "CompressionSession", "KVCacheCompressionMode", "KVCacheCompressionParameters",
+    "AttentionCall", "CompressionSession", "KVCacheCompressionParameters",
     "KVCacheCompressor", "Scorer", "compress", "method_names", "preset", "register",
 ]
 __version__ = "0.1.0"

@@ -37,7 +37,7 @@ DEFAULT_METHOD = "kvzip"
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 SIZE_OPTIONS = ("start_size", "intermediate_size", "recent_size")
 # Options that --config replaces: combining them with a config file would leave it unclear which one wins.
-CONFIG_EXCLUSIVE = ("algorithm", "budget", "score_aggregation", "window_size", *SIZE_OPTIONS)
+CONFIG_EXCLUSIVE = ("method", "budget", "score_aggregation", "window_size", *SIZE_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ def non_negative_int(text: str) -> int:
 def _compression_options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_argument_group(f"compression (defaults: {DEFAULT_METHOD}, a budget of 20% of the prompt)")
-    group.add_argument("--algorithm", choices=list(SCORERS), help=f"default: {DEFAULT_METHOD}")
+    group.add_argument("--method", "--algorithm", dest="method", choices=list(SCORERS),
+                       help=f"default: {DEFAULT_METHOD} (--algorithm: its old name)")
     group.add_argument("--budget", type=parse_budget,
                        help="slots kept per layer: a count (400) or a percentage of the prompt (20%%); "
                             "the method's preset splits it (kvcompress.presets)")
@@ -142,13 +143,13 @@ def compression_parameters(args: argparse.Namespace, prompt_tokens: int) -> KVCa
         except (yaml.YAMLError, TypeError, ValueError) as error:
             raise ValueError(f"--config {args.config}: {error}") from None
     sizes = [getattr(args, name) for name in SIZE_OPTIONS]
-    overrides = {name: getattr(args, name) for name in ("algorithm", "score_aggregation", "window_size")}
+    overrides = {name: getattr(args, name) for name in ("method", "score_aggregation", "window_size")}
     overrides = {name: value for name, value in overrides.items() if value is not None}
-    method = overrides.pop("algorithm", DEFAULT_METHOD)
+    method = overrides.pop("method", DEFAULT_METHOD)
     if any(size is not None for size in sizes):
         if None in sizes or args.budget is not None:
             raise ValueError("give either --budget or all three of --start-size, --intermediate-size, --recent-size")
-        return KVCacheCompressionParameters(algorithm=method, **dict(zip(SIZE_OPTIONS, sizes)), **overrides)
+        return KVCacheCompressionParameters(method=method, **dict(zip(SIZE_OPTIONS, sizes)), **overrides)
     budget = args.budget or parse_budget(DEFAULT_BUDGET)
     return preset(method, budget.resolve(prompt_tokens), **overrides)
 
@@ -238,7 +239,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def _describe(params: KVCacheCompressionParameters) -> str:
-    method = [params.algorithm, params.score_aggregation] if params.scorer.combine == "add" else [params.algorithm]
+    method = [params.method, params.score_aggregation] if params.scorer.combine == "add" else [params.method]
     shared = ", the layers sharing the scored slots by score" if params.layers_share_budget else ""
     return (f"{', '.join([*method, params.strategy])}, {params.max_cache_size} slots per layer = {params.start_size} "
             f"start + {params.intermediate_size} scored + {params.recent_size} recent{shared}")

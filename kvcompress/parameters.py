@@ -1,31 +1,18 @@
 """Compression parameters: one frozen dataclass, validated on construction, loadable from dicts and YAML.
 
 Names follow the NNCF ``KVCacheCompressionParameters`` proposal so that configs written for NNCF / OpenVINO
-contrib read the same here; the extra fields are documented in the README's parameter table.
+contrib read the same here, except ``method`` (NNCF's ``algorithm``, still read under that name with a warning), the
+word every entry point and runner uses; the extra fields are documented in the README's parameter table.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 from .scoring.catalogue import SCORERS, scorer_class
-
-
-class KVCacheCompressionMode(str, enum.Enum):
-    """The built-in scoring methods, for code that prefers constants to strings. ``algorithm`` takes any name
-    in the scorer catalogue (``kvcompress.scoring.catalogue.SCORERS``), these and the ones registered later."""
-
-    H2O = "h2o"
-    SNAPKV = "snapkv"
-    KVZIP = "kvzip"
-    EXPECTED_ATTENTION = "expected_attention"
-    TOVA = "tova"
-    KEYDIFF = "keydiff"
-    KNORM = "knorm"
-
 
 STRATEGIES = ("per_token", "per_group")
 AGGREGATIONS = ("sum", "norm_sum")
@@ -37,6 +24,28 @@ HEAD_SHARED_ALLOCATIONS = ("adaptive", "global_adaptive")  # KV heads keep count
 DEFAULT_ADAPTIVE_FLOOR = 0.2  # AdaKV's LongBench runs and kvpress's AdaKVPress (alpha_safeguard)
 HEAD_SELECTIONS = ("shared", "per_head")
 DEFAULT_SNAPKV_WINDOW = 8
+RENAMED_KEYS = {"algorithm": "method"}  # old spelling -> field; still read from dicts and YAML, with a warning
+RENAMED_METHODS = {"streamingllm": "streaming_llm"}  # old spelling -> method name (the runners' configs)
+
+
+def renamed(data: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    """``data`` with the old spellings of keys and method names replaced, warning once per old spelling: old
+    configs keep working while they are updated. ``where`` prefixes the names in messages (a config path)."""
+    data = dict(data)
+    for old, new in RENAMED_KEYS.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        if new in data and data[new] != value:
+            raise ValueError(f"{where}{old}: {value!r} contradicts {new} {data[new]!r} ({old} is {new}'s old name)")
+        warnings.warn(f"{where}{old} is deprecated: write {new}: {value!r}", FutureWarning, stacklevel=3)
+        data[new] = value
+    method = data.get("method")
+    if isinstance(method, str) and method in RENAMED_METHODS:
+        warnings.warn(f"{where}method {method!r} is deprecated: write {RENAMED_METHODS[method]!r}", FutureWarning,
+                      stacklevel=3)
+        data["method"] = RENAMED_METHODS[method]
+    return data
 
 
 def _allowed(values) -> str:
@@ -52,7 +61,7 @@ class KVCacheCompressionParameters:
     scored slots survive. The layer budget is their sum (``max_cache_size``).
     """
 
-    algorithm: str = "snapkv"
+    method: str = "snapkv"
     strategy: str = "per_token"
     group_size: int = 32
     start_size: int = 32
@@ -77,10 +86,8 @@ class KVCacheCompressionParameters:
     scorer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.algorithm, enum.Enum):
-            object.__setattr__(self, "algorithm", self.algorithm.value)
         self._check_types()
-        scorer = scorer_class(self.algorithm)
+        scorer = scorer_class(self.method)
         if not isinstance(self.scorer_options, Mapping):
             raise TypeError(f"scorer_options must be a mapping, got {type(self.scorer_options).__name__}")
         scorer.check_options(dict(self.scorer_options))
@@ -90,15 +97,22 @@ class KVCacheCompressionParameters:
         if not scorer.uses_window and self.window_size is not None:
             windowed = [name for name, cls in SCORERS.items() if cls.uses_window]
             raise ValueError(
-                f"window_size is only allowed with algorithm={' or '.join(map(repr, windowed))} (the methods that "
-                f"observe a window); got window_size={self.window_size} with algorithm={self.algorithm!r}"
+                f"window_size is only allowed with method={' or '.join(map(repr, windowed))} (the methods that "
+                f"observe a window); got window_size={self.window_size} with method={self.method!r}"
             )
         self._check_values()
 
     @property
     def scorer(self) -> type:
-        """The registered class of ``algorithm`` (``kvcompress.scoring.base.Scorer``)."""
-        return scorer_class(self.algorithm)
+        """The registered class of ``method`` (``kvcompress.scoring.base.Scorer``)."""
+        return scorer_class(self.method)
+
+    @property
+    def algorithm(self) -> str:
+        """``method``'s old name, kept readable for old code."""
+        warnings.warn("KVCacheCompressionParameters.algorithm is deprecated: read .method", FutureWarning,
+                      stacklevel=2)
+        return self.method
 
     # ------------------------------------------------------------------ validation
     def _check_types(self) -> None:
@@ -242,6 +256,7 @@ class KVCacheCompressionParameters:
     def from_dict(cls, data: Mapping[str, Any]) -> "KVCacheCompressionParameters":
         if not isinstance(data, Mapping):
             raise TypeError(f"compression parameters must be a mapping, got {type(data).__name__}")
+        data = renamed(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -41,7 +41,7 @@ def preset(method: str, budget: int, **overrides: Any) -> KVCacheCompressionPara
             f"got {budget}"
         )
     if method == STREAMING_LLM:
-        for fixed in ("intermediate_size", "recent_size", "algorithm"):
+        for fixed in ("intermediate_size", "recent_size", "method"):
             if fixed in overrides:
                 raise ValueError(f"{fixed}: streaming_llm keeps start + recent = budget; set start_size only")
         start = overrides.pop("start_size", STREAMING_LLM_SINKS)
@@ -51,12 +51,12 @@ def preset(method: str, budget: int, **overrides: Any) -> KVCacheCompressionPara
                                                         **overrides)
     if method not in SCORERS:
         raise ValueError(f"method must be one of {', '.join(map(repr, method_names()))}, got {method!r}")
-    if overrides.get("algorithm", method) != method:
-        raise ValueError(f"algorithm: {overrides['algorithm']!r} contradicts method {method!r}")
-    overrides.pop("algorithm", None)
+    if overrides.get("method", method) != method:
+        raise ValueError(f"method: {overrides['method']!r} contradicts the preset's method {method!r}")
+    overrides.pop("method", None)
     scorer = scorer_class(method)
     overrides.setdefault("budget_allocation", scorer.allocation)
     if overrides["budget_allocation"] in HEAD_SHARED_ALLOCATIONS:  # per-head counts, prompts compressed once
         overrides.setdefault("head_selection", "per_head")
         overrides.setdefault("compress_during_decoding", False)
-    return KVCacheCompressionParameters.from_budget(budget, algorithm=method, **overrides)
+    return KVCacheCompressionParameters.from_budget(budget, method=method, **overrides)

@@ -284,7 +284,7 @@ class CompressionSession:
         ``selected`` tokens; the passes' forwards score and drop their own slots (``Forward.attend``)."""
         if forward.tokens is None:
             raise ValueError(
-                f"kvcompress: algorithm={self.parameters.algorithm!r} reconstructs the prompt from its token ids; "
+                f"kvcompress: method={self.parameters.method!r} reconstructs the prompt from its token ids; "
                 "pass input_ids, not inputs_embeds"
             )
         started = time.perf_counter()

@@ -74,11 +74,11 @@ class TinyTokenizer:
         return [3 + ord(character) % (_COMMON["vocab_size"] - 3) for character in text]
 
 
-def scorer_parameters(algorithm: str, **sizes) -> KVCacheCompressionParameters:
-    """Parameters for ``algorithm`` with a window only where the method observes one."""
+def scorer_parameters(method: str, **sizes) -> KVCacheCompressionParameters:
+    """Parameters for ``method`` with a window only where the method observes one."""
 
-    window = 8 if scorer_class(algorithm).uses_window else None
-    return KVCacheCompressionParameters(algorithm=algorithm, window_size=window, **sizes)
+    window = 8 if scorer_class(method).uses_window else None
+    return KVCacheCompressionParameters(method=method, window_size=window, **sizes)
 
 
 BATCH_LENGTHS = (90, 61, 120, 37)  # the last one fits in the budget at first: it must evict on its own schedule

@@ -76,18 +76,18 @@ class Scorer:
         unknown = sorted(set(given) - set(cls.options))
         if unknown:
             allowed = ", ".join(f"{name} (default {value!r})" for name, value in cls.options.items()) or "none"
-            raise ValueError(f"scorer_options {unknown} do not apply to algorithm={cls.name!r}; allowed: {allowed}")
+            raise ValueError(f"scorer_options {unknown} do not apply to method={cls.name!r}; allowed: {allowed}")
         for name, value in given.items():
             default = cls.options[name]
             kind = (int, float) if isinstance(default, float) else type(default)
             if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, kind):
                 raise TypeError(
-                    f"scorer_options[{name!r}] for algorithm={cls.name!r} must be {type(default).__name__}, "
+                    f"scorer_options[{name!r}] for method={cls.name!r} must be {type(default).__name__}, "
                     f"got {value!r}"
                 )
             if name in cls.minimums and value < cls.minimums[name]:
                 raise ValueError(
-                    f"scorer_options[{name!r}] for algorithm={cls.name!r} must be >= {cls.minimums[name]}, "
+                    f"scorer_options[{name!r}] for method={cls.name!r} must be >= {cls.minimums[name]}, "
                     f"got {value!r}"
                 )
 

@@ -1,4 +1,4 @@
-"""The scoring methods by name: what ``algorithm`` may be, and the class that implements each.
+"""The scoring methods by name: what ``method`` may be, and the class that implements each.
 
 ``registry.register`` fills it (the built-in methods, then any the user registers); the parameters read it to
 validate a method's name and options without importing a single method, so the methods, which read the
@@ -17,4 +17,4 @@ def scorer_class(name: str) -> Any:
     try:
         return SCORERS[name]
     except KeyError:
-        raise ValueError(f"algorithm must be one of {', '.join(map(repr, SCORERS))}, got {name!r}") from None
+        raise ValueError(f"method must be one of {', '.join(map(repr, SCORERS))}, got {name!r}") from None

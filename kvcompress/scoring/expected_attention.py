@@ -33,7 +33,7 @@ class ExpectedAttention(Scorer):
 
         self.inv_freq = full_attention_inv_freq(inspect_model(model).rotary_emb)
         if self.inv_freq is None:
-            raise ValueError(f"algorithm='expected_attention' needs rotary position embeddings; "
+            raise ValueError(f"method='expected_attention' needs rotary position embeddings; "
                              f"{type(model).__name__} has none")
 
     def observed_queries(self, new_valid: torch.Tensor, replay: bool) -> torch.Tensor | None:

@@ -60,7 +60,7 @@ class KVzip(Scorer):
     def bind(self, model, tokenizer) -> None:
         if tokenizer is None:
             raise ValueError(
-                "algorithm='kvzip' needs the model's tokenizer to build its reconstruction prompt: pass it as "
+                "method='kvzip' needs the model's tokenizer to build its reconstruction prompt: pass it as "
                 "KVCacheCompressor(params, tokenizer=tokenizer) or kvcompress.compress(model, ..., tokenizer=tokenizer)"
             )
 

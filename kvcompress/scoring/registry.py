@@ -19,7 +19,7 @@ from .tova import TOVA
 
 
 def register(scorer: type[Scorer]) -> type[Scorer]:
-    """Make ``scorer`` available as ``algorithm=scorer.name``; usable as a class decorator."""
+    """Make ``scorer`` available as ``method=scorer.name``; usable as a class decorator."""
     if not (isinstance(scorer, type) and issubclass(scorer, Scorer)) or not getattr(scorer, "name", None):
         raise TypeError(f"register() takes a Scorer subclass with a name, got {scorer!r}")
     existing = SCORERS.get(scorer.name)

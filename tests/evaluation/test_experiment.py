@@ -25,21 +25,35 @@ def test_sweep_expands_methods_and_budgets(tmp_path, make_config):
             "none",
             {"method": "snapkv", "budgets": [128, 1024], "window_size": 32, "start_size": 0, "recent_size": 32},
             {"method": "h2o", "budget": 256},
-            {"method": "streamingllm", "budgets": [128]},
-            {"name": "explicit", "algorithm": "h2o", "start_size": 4, "intermediate_size": 60, "recent_size": 0},
+            {"method": "streaming_llm", "budgets": [128]},
+            {"name": "explicit", "method": "h2o", "start_size": 4, "intermediate_size": 60, "recent_size": 0},
         ],
     )
     names = [setting.name for setting in experiment.settings]
-    assert names == ["full", "snapkv-128", "snapkv-1024", "h2o-256", "streamingllm-128", "explicit"]
+    assert names == ["full", "snapkv-128", "snapkv-1024", "h2o-256", "streaming_llm-128", "explicit"]
     full, snap128, snap1024, h2o, streaming, explicit = experiment.settings
     assert full.parameters is None and full.budget is None
     assert (snap1024.parameters.start_size, snap1024.parameters.intermediate_size, snap1024.parameters.recent_size) == (
         0, 992, 32)
     assert snap128.parameters.window_size == 32 and snap128.budget == 128
-    assert h2o.parameters.algorithm == "h2o" and h2o.parameters.max_cache_size == 256
+    assert h2o.parameters.method == "h2o" and h2o.parameters.max_cache_size == 256
     assert (streaming.parameters.start_size, streaming.parameters.intermediate_size,
             streaming.parameters.recent_size) == (4, 0, 124)
     assert explicit.method == "h2o" and explicit.budget == 64
+
+
+def test_old_spellings_are_read_with_a_warning(tmp_path, make_config):
+    with pytest.warns(FutureWarning) as caught:
+        experiment = _parse(tmp_path, make_config, compression=[
+            {"method": "streamingllm", "budget": 128},
+            {"name": "explicit", "algorithm": "h2o", "start_size": 4, "intermediate_size": 60, "recent_size": 0},
+        ])
+    assert [str(warning.message) for warning in caught] == [
+        "compression[0].method 'streamingllm' is deprecated: write 'streaming_llm'",
+        "compression[1].algorithm is deprecated: write method: 'h2o'",
+    ]
+    streaming, explicit = experiment.settings
+    assert (streaming.name, streaming.method, explicit.method) == ("streaming_llm-128", "streaming_llm", "h2o")
 
 
 def test_defaults_and_path_resolution(tmp_path, make_config):
@@ -91,9 +105,9 @@ def test_errors_name_the_key(tmp_path, make_config, overrides, message):
         ({"method": "h2o", "budget": 128, "window_size": 8}, r"^compression\[1\]: window_size is only allowed"),
         ({"method": "snapkv", "budget": 128, "score_aggregation": "mean"}, r"^compression\[1\]: score_aggregation"),
         ({"method": "snapkv", "budget": 128, "window_size": "8"}, r"^compression\[1\]: window_size must be an int"),
-        ({"method": "streamingllm"}, r"^compression\[1\]\.budget: required for method 'streamingllm'"),
-        ({"method": "streamingllm", "budget": 4}, r"^compression\[1\]\.budget: streaming_llm needs a budget above"),
-        ({"method": "streamingllm", "budget": 64, "recent_size": 8}, r"^compression\[1\]\.recent_size: streaming_llm"),
+        ({"method": "streaming_llm"}, r"^compression\[1\]\.budget: required for method 'streaming_llm'"),
+        ({"method": "streaming_llm", "budget": 4}, r"^compression\[1\]\.budget: streaming_llm needs a budget above"),
+        ({"method": "streaming_llm", "budget": 64, "recent_size": 8}, r"^compression\[1\]\.recent_size: streaming_llm"),
         ({"method": "none", "budget": 64}, r"^compression\[1\]\.budget: method 'none'"),
         ({"method": "snapkv", "algorithm": "h2o", "budget": 64}, r"^compression\[1\]\.algorithm: 'h2o' contradicts"),
         ({"method": "none"}, r"^compression\[1\]: setting name 'full' is used twice"),

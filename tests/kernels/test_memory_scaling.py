@@ -23,12 +23,12 @@ LINEAR_GROWTH_LIMIT = 6.0
 BUDGET = dict(start_size=8, intermediate_size=48, recent_size=8)
 
 
-def _params(algorithm: str, strategy: str) -> KVCacheCompressionParameters:
+def _params(method: str, strategy: str) -> KVCacheCompressionParameters:
     if strategy == "per_group":
         return KVCacheCompressionParameters(
-            algorithm=algorithm, strategy="per_group", group_size=8, **BUDGET
+            method=method, strategy="per_group", group_size=8, **BUDGET
         )
-    return KVCacheCompressionParameters(algorithm=algorithm, **BUDGET)
+    return KVCacheCompressionParameters(method=method, **BUDGET)
 
 
 def largest_allocation(model, params, length: int, padded: bool = False) -> int:
@@ -58,14 +58,14 @@ def backend(request, monkeypatch):
 
 
 @pytest.mark.parametrize("strategy", ["per_token", "per_group"])
-@pytest.mark.parametrize("algorithm", ["h2o", "snapkv"])
-def test_largest_prefill_allocation_grows_linearly(backend, algorithm, strategy):
+@pytest.mark.parametrize("method", ["h2o", "snapkv"])
+def test_largest_prefill_allocation_grows_linearly(backend, method, strategy):
     model = tiny_model("llama")
-    params = _params(algorithm, strategy)
+    params = _params(method, strategy)
     short = largest_allocation(model, params, SHORT)
     long = largest_allocation(model, params, LONG)
     assert long / short <= LINEAR_GROWTH_LIMIT, (
-        f"{algorithm}/{strategy}: the largest allocation grew from {short} to {long} bytes (×{long / short:.1f}) "
+        f"{method}/{strategy}: the largest allocation grew from {short} to {long} bytes (×{long / short:.1f}) "
         f"when the prompt grew ×{LONG // SHORT}: something scales with length²"
     )
     assert long < LONG * LONG * 4, f"an allocation of {long} bytes is as large as one float32 {LONG}² matrix"
@@ -76,7 +76,7 @@ def test_kvzip_reconstruction_allocates_like_the_prefill():
     share one budget): no allocation grows with length², and none exceeds the uncompressed prefill's largest
     by more than the attention chunks of one pass."""
     model = tiny_model("llama")
-    params = KVCacheCompressionParameters(algorithm="kvzip", budget_allocation="global",
+    params = KVCacheCompressionParameters(method="kvzip", budget_allocation="global",
                                           scorer_options={"chunk_size": 256}, **BUDGET)
     short = largest_allocation(model, params, SHORT)
     long = largest_allocation(model, params, LONG)

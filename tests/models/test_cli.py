@@ -20,11 +20,11 @@ def test_defaults_are_the_kvzip_preset_at_20_percent():
 
 @pytest.mark.parametrize("budget, expected", [("400", 400), ("10%", 100), ("100%", 1000), ("0.5%", 5)])
 def test_budget_is_slots_or_percentage(budget, expected):
-    assert params_for("--budget", budget, "--algorithm", "h2o").max_cache_size == expected
+    assert params_for("--budget", budget, "--method", "h2o").max_cache_size == expected
 
 
 def test_three_sizes_and_overrides():
-    params = params_for("--start-size", "4", "--intermediate-size", "0", "--recent-size", "60", "--algorithm",
+    params = params_for("--start-size", "4", "--intermediate-size", "0", "--recent-size", "60", "--method",
                         "snapkv", "--score-aggregation", "sum", "--window-size", "16")
     assert (params.start_size, params.intermediate_size, params.recent_size) == (4, 0, 60)
     assert (params.score_aggregation, params.window_size) == ("sum", 16)
@@ -32,7 +32,7 @@ def test_three_sizes_and_overrides():
 
 def test_config_file(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("algorithm: h2o\nstart_size: 8\nintermediate_size: 32\nrecent_size: 24\n")
+    config.write_text("method: h2o\nstart_size: 8\nintermediate_size: 32\nrecent_size: 24\n")
     assert params_for("--config", str(config)).max_cache_size == 64
     with pytest.raises(ValueError, match="do not combine it with --budget"):
         params_for("--config", str(config), "--budget", "50")
@@ -41,11 +41,11 @@ def test_config_file(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--budget", "0"], "--budget: expected a positive number of slots"),
     (["demo", "--budget", "150%"], "percentage of the prompt in (0, 100]"),
-    (["demo", "--algorithm", "streaming"], "choose from 'snapkv', 'h2o', 'kvzip'"),
+    (["demo", "--method", "streaming"], "choose from 'snapkv', 'h2o', 'kvzip'"),
     (["demo", "--score-aggregation", "mean"], "choose from 'sum', 'norm_sum'"),
     (["demo", "--start-size", "4"], "all three of --start-size, --intermediate-size, --recent-size"),
     (["demo", "--budget", "64", "--recent-size", "8"], "either --budget or all three"),
-    (["demo", "--algorithm", "h2o", "--window-size", "8"], "window_size is only allowed with algorithm='snapkv'"),
+    (["demo", "--method", "h2o", "--window-size", "8"], "window_size is only allowed with method='snapkv'"),
     (["demo", "--config", "missing.yaml"], "--config: cannot read missing.yaml"),
     (["demo", "--max-new-tokens", "-3"], "--max-new-tokens: expected a positive integer"),
     (["generate"], "required: --prompt-file"),

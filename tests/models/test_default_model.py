@@ -88,7 +88,7 @@ def test_budget_above_prompt_changes_nothing(default_model):
     (sample,) = make_samples(["passkey"], [1024], [0.5], seed=7, tokenizer=tokenizer)
     input_ids = torch.tensor([sample.input_ids])
     new_tokens = 16
-    params = KVCacheCompressionParameters.from_budget(sample.prompt_tokens + new_tokens + 8, algorithm="snapkv")
+    params = KVCacheCompressionParameters.from_budget(sample.prompt_tokens + new_tokens + 8, method="snapkv")
     full = _greedy(model, input_ids, None, new_tokens)
     compressed = _greedy(model, input_ids, params, new_tokens)
     assert compressed.sequences.tolist() == full.sequences.tolist()

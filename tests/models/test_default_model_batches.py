@@ -26,7 +26,7 @@ def default_model():
 @pytest.mark.slow
 @pytest.mark.parametrize("params", [
     KVCacheCompressionParameters(start_size=16, intermediate_size=48, recent_size=32, decode_slack=4),
-    KVCacheCompressionParameters(algorithm="h2o", strategy="per_group", group_size=16, start_size=16,
+    KVCacheCompressionParameters(method="h2o", strategy="per_group", group_size=16, start_size=16,
                                  intermediate_size=48, recent_size=32, rerotate_keys=True),
 ], ids=["snapkv-per_token", "h2o-per_group-rerotate"])
 def test_padded_batch_matches_solo_runs(default_model, params):

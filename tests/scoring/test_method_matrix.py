@@ -18,10 +18,10 @@ COMBINATIONS = [
 ]
 
 
-@pytest.mark.parametrize("algorithm, strategy, refined, rerotate, head_selection", COMBINATIONS)
-def test_generate_with_bounded_cache(algorithm, strategy, refined, rerotate, head_selection):
+@pytest.mark.parametrize("method, strategy, refined, rerotate, head_selection", COMBINATIONS)
+def test_generate_with_bounded_cache(method, strategy, refined, rerotate, head_selection):
     params = scorer_parameters(
-        algorithm, strategy=strategy, group_size=4, start_size=4, intermediate_size=16, recent_size=8,
+        method, strategy=strategy, group_size=4, start_size=4, intermediate_size=16, recent_size=8,
         refined_algorithm=refined, refined_size=8 if refined else 0, rerotate_keys=rerotate,
         head_selection=head_selection,
     )

@@ -14,7 +14,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 def test_unknown_algorithm_lists_the_registered_ones():
-    with pytest.raises(ValueError, match="algorithm must be one of 'snapkv', 'h2o', 'kvzip'"):
+    with pytest.raises(ValueError, match="method must be one of 'snapkv', 'h2o', 'kvzip'"):
         scorer_class("pyramid")
 
 
@@ -36,7 +36,7 @@ def test_registered_scorer_is_accepted_by_the_parameters(monkeypatch):
             return -state.true_positions.float().unsqueeze(1).expand(-1, keys.shape[1], -1)
 
     monkeypatch.setitem(SCORERS, Oldest.name, Oldest)
-    assert KVCacheCompressionParameters(algorithm="oldest_first").scorer is Oldest
+    assert KVCacheCompressionParameters(method="oldest_first").scorer is Oldest
 
 
 def test_a_scorer_registered_in_a_test_module_joins_the_method_matrix(pytester):

@@ -44,7 +44,7 @@ def _expected_kept(scores, params):
 
 
 def test_kvzip_replay_inputs_follow_the_reference_layout():
-    scorer = KVzip(KVCacheCompressionParameters(algorithm="kvzip", scorer_options={"chunk_size": CHUNK}))
+    scorer = KVzip(KVCacheCompressionParameters(method="kvzip", scorer_options={"chunk_size": CHUNK}))
     tokenizer = TinyTokenizer()
     scorer.bind(None, tokenizer)
     context = [list(range(10, 10 + PROMPT)), list(range(50, 60))]
@@ -59,7 +59,7 @@ def test_kvzip_replay_inputs_follow_the_reference_layout():
 
 def test_kvzip_needs_a_tokenizer():
     model = tiny_model("llama")
-    params = KVCacheCompressionParameters(algorithm="kvzip", **SIZES)
+    params = KVCacheCompressionParameters(method="kvzip", **SIZES)
     with pytest.raises(ValueError, match="tokenizer"):
         KVCacheCompressor(params)(model).__enter__()
 
@@ -67,7 +67,7 @@ def test_kvzip_needs_a_tokenizer():
 def test_kvzip_scores_equal_eager_reconstruction_attention():
     model = tiny_model("llama", attn_implementation="eager")
     ids = random_tokens(PROMPT)
-    params = KVCacheCompressionParameters(algorithm="kvzip", scorer_options={"chunk_size": CHUNK}, **SIZES)
+    params = KVCacheCompressionParameters(method="kvzip", scorer_options={"chunk_size": CHUNK}, **SIZES)
     tokenizer = TinyTokenizer()
     cache, states, timings = _prefill(model, ids, params, tokenizer)
 
@@ -97,7 +97,7 @@ def test_kvzip_scores_equal_eager_reconstruction_attention():
 def test_tova_keeps_what_the_last_query_attends_to_most():
     model = tiny_model("llama", attn_implementation="eager")
     ids = random_tokens(PROMPT)
-    params = KVCacheCompressionParameters(algorithm="tova", **SIZES)
+    params = KVCacheCompressionParameters(method="tova", **SIZES)
     cache, states, _ = _prefill(model, ids, params)
     with torch.no_grad():
         attentions = model(ids, output_attentions=True).attentions
@@ -111,7 +111,7 @@ def test_tova_keeps_what_the_last_query_attends_to_most():
 def test_knorm_keeps_the_smallest_key_norms():
     model = tiny_model("llama")
     ids = random_tokens(PROMPT)
-    params = KVCacheCompressionParameters(algorithm="knorm", **SIZES)
+    params = KVCacheCompressionParameters(method="knorm", **SIZES)
     cache, states, _ = _prefill(model, ids, params)
     with torch.no_grad():
         full = model(ids, use_cache=True).past_key_values
@@ -121,7 +121,7 @@ def test_knorm_keeps_the_smallest_key_norms():
 
 
 def test_keydiff_is_scale_invariant_and_minus_one_for_identical_keys():
-    scorer = KeyDiff(KVCacheCompressionParameters(algorithm="keydiff"))
+    scorer = KeyDiff(KVCacheCompressionParameters(method="keydiff"))
     keys = torch.randn(2, 3, 10, 8)
     live = torch.ones(2, 10, dtype=torch.bool)
     scores = scorer.eviction_scores(None, keys, None, live)
@@ -140,7 +140,7 @@ def test_expected_attention_is_the_rotated_query_attention_when_queries_are_iden
     module = model.model.layers[0].self_attn
     batch, heads, kv_heads, length, dim = 1, 4, 2, 24, 16
     params = KVCacheCompressionParameters(
-        algorithm="expected_attention",
+        method="expected_attention",
         scorer_options={"future_positions": 1, "covariance": False, "value_norm": False},
     )
     scorer = ExpectedAttention(params)
@@ -174,7 +174,7 @@ def test_expected_attention_statistics_do_not_depend_on_the_row_chunks(monkeypat
     from kvcompress.scoring import expected_attention
 
     model = tiny_model("llama")
-    params = KVCacheCompressionParameters(algorithm="expected_attention")
+    params = KVCacheCompressionParameters(method="expected_attention")
     scorer = ExpectedAttention(params)
     scorer.bind(model, None)
     generator = torch.Generator().manual_seed(3)

@@ -15,15 +15,15 @@ from tiny_models import random_tokens, tiny_model
 PROMPT, WINDOW, DECODE_STEPS = 40, 8, 3
 
 
-def _reference(attentions_per_step, algorithm, kv_heads):
+def _reference(attentions_per_step, method, kv_heads):
     """Accumulated per-KV-head scores and counts of layer 0 from eager weights, one entry per forward."""
     scores = counts = None
     for weights in attentions_per_step:  # (1, H_q, q, T)
         weights = weights[0].double()
         heads, queries, total = weights.shape
-        observed = list(range(queries)) if algorithm == "h2o" else list(range(max(0, queries - WINDOW), queries))
+        observed = list(range(queries)) if method == "h2o" else list(range(max(0, queries - WINDOW), queries))
         step = weights[:, observed].sum(1)  # (H_q, T)
-        if algorithm == "snapkv" and queries > 1:
+        if method == "snapkv" and queries > 1:
             padded = torch.nn.functional.pad(step, (3, 3), value=float("-inf"))
             step = torch.stack([padded[:, j : j + 7].max(-1).values for j in range(total)], -1)
         step = step.view(kv_heads, heads // kv_heads, total).sum(1)
@@ -52,10 +52,10 @@ def _run(model, ids, output_attentions):
 
 
 @pytest.mark.parametrize("output_attentions", [False, True], ids=["fused", "weights-requested"])
-@pytest.mark.parametrize("algorithm", ["h2o", "snapkv"])
+@pytest.mark.parametrize("method", ["h2o", "snapkv"])
 @pytest.mark.parametrize("aggregation", ["sum", "norm_sum"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_hook_scores_equal_eager_attention_weights(algorithm, aggregation, arch, output_attentions):
+def test_hook_scores_equal_eager_attention_weights(method, aggregation, arch, output_attentions):
     """Nothing is evicted (budget > length), so an uncompressed eager run's weights are the reference.
 
     Without ``output_attentions`` H2O and decode steps take the fused path (attention output and scores in
@@ -63,8 +63,8 @@ def test_hook_scores_equal_eager_attention_weights(algorithm, aggregation, arch,
     """
     model = tiny_model(arch, attn_implementation="eager")
     params = KVCacheCompressionParameters(
-        algorithm=algorithm, start_size=4, intermediate_size=500, recent_size=4, score_aggregation=aggregation,
-        window_size=WINDOW if algorithm == "snapkv" else None,
+        method=method, start_size=4, intermediate_size=500, recent_size=4, score_aggregation=aggregation,
+        window_size=WINDOW if method == "snapkv" else None,
     )
     ids = random_tokens(PROMPT + DECODE_STEPS)
     with torch.no_grad():
@@ -77,7 +77,7 @@ def test_hook_scores_equal_eager_attention_weights(algorithm, aggregation, arch,
                 for layer_expected, layer_got in zip(expected, got):
                     torch.testing.assert_close(layer_got, layer_expected, rtol=0, atol=0)
     for layer in range(model.config.num_hidden_layers):
-        expected_scores, expected_counts = _reference([a[layer] for a in attentions], algorithm,
+        expected_scores, expected_counts = _reference([a[layer] for a in attentions], method,
                                                       model.config.num_key_value_heads)
         state = states[layer]
         torch.testing.assert_close(state.head_scores[0].double(), expected_scores, rtol=1e-4, atol=1e-6)

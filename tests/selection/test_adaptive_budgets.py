@@ -33,7 +33,7 @@ def _model(kv_heads: int = 4, layers: int = 2, attn_implementation: str = "sdpa"
 
 
 def _adaptive(floor: float = 0.2, **overrides) -> KVCacheCompressionParameters:
-    base = dict(algorithm="snapkv", window_size=8, head_selection="per_head", budget_allocation="adaptive",
+    base = dict(method="snapkv", window_size=8, head_selection="per_head", budget_allocation="adaptive",
                 adaptive_floor=floor, compress_during_decoding=False, **SIZES)
     return KVCacheCompressionParameters(**{**base, **overrides})
 
@@ -68,12 +68,12 @@ def _floor_then_compete(layer_scores: list[torch.Tensor], params) -> list[list[l
 
 
 @pytest.mark.parametrize("floor", [0.0, 0.2, 0.9])
-@pytest.mark.parametrize("algorithm, allocation", [("snapkv", "adaptive"), ("keydiff", "adaptive"),
+@pytest.mark.parametrize("method, allocation", [("snapkv", "adaptive"), ("keydiff", "adaptive"),
                                                    ("snapkv", "global_adaptive"), ("kvzip", "global_adaptive")])
-def test_kept_sets_equal_an_independent_floor_then_compete_selection(algorithm, allocation, floor):
+def test_kept_sets_equal_an_independent_floor_then_compete_selection(method, allocation, floor):
     model = _model(layers=3)
-    params = _adaptive(floor, algorithm=algorithm, window_size=8 if algorithm == "snapkv" else None,
-                       budget_allocation=allocation, scorer_options={"chunk_size": 32} if algorithm == "kvzip" else {})
+    params = _adaptive(floor, method=method, window_size=8 if method == "snapkv" else None,
+                       budget_allocation=allocation, scorer_options={"chunk_size": 32} if method == "kvzip" else {})
     captured = []
     with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session, torch.no_grad():
         ranking = session.scorer.eviction_scores
@@ -112,7 +112,7 @@ def test_a_floor_of_one_is_uniform_per_head_selection():
     ids = random_tokens(PROMPT)
     runs = []
     for params in (_adaptive(1.0), KVCacheCompressionParameters(
-            algorithm="snapkv", window_size=8, head_selection="per_head", compress_during_decoding=False, **SIZES)):
+            method="snapkv", window_size=8, head_selection="per_head", compress_during_decoding=False, **SIZES)):
         with KVCacheCompressor(params)(model) as session:
             out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
                                  output_scores=True, return_dict_in_generate=True)
@@ -210,27 +210,27 @@ def test_real_kv_bytes_are_the_nominal_budget():
 
 
 @pytest.mark.parametrize("allocation", ["adaptive", "global_adaptive"])
-@pytest.mark.parametrize("algorithm", list(SCORERS))
-def test_budget_above_the_prompt_changes_nothing(algorithm, allocation):
+@pytest.mark.parametrize("method", list(SCORERS))
+def test_budget_above_the_prompt_changes_nothing(method, allocation):
     model = tiny_model("llama")
     ids = random_tokens(50)
     expected = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
-    params = scorer_parameters(algorithm, start_size=8, intermediate_size=200, recent_size=8,
+    params = scorer_parameters(method, start_size=8, intermediate_size=200, recent_size=8,
                                head_selection="per_head", budget_allocation=allocation, compress_during_decoding=False)
     with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model):
         got = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("algorithm, allocation", [("snapkv", "adaptive"), ("kvzip", "adaptive"),
+@pytest.mark.parametrize("method, allocation", [("snapkv", "adaptive"), ("kvzip", "adaptive"),
                                                    ("expected_attention", "adaptive"), ("kvzip", "global_adaptive")])
 @pytest.mark.parametrize("strategy", ["per_token", "per_group"])
-def test_each_sequence_of_a_padded_batch_matches_its_solo_run(algorithm, allocation, strategy):
+def test_each_sequence_of_a_padded_batch_matches_its_solo_run(method, allocation, strategy):
     model = _model()
     sizes = dict(start_size=4, intermediate_size=16, recent_size=8) if strategy == "per_group" else SIZES
-    params = scorer_parameters(algorithm, strategy=strategy, group_size=4, head_selection="per_head",
+    params = scorer_parameters(method, strategy=strategy, group_size=4, head_selection="per_head",
                                budget_allocation=allocation, compress_during_decoding=False,
-                               scorer_options={"chunk_size": 32} if algorithm == "kvzip" else {}, **sizes)
+                               scorer_options={"chunk_size": 32} if method == "kvzip" else {}, **sizes)
     prompts = [random_tokens(n, seed=i) for i, n in enumerate((70, 45, 24))]  # the last fits its budget
     width = max(p.shape[1] for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)

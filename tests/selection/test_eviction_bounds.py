@@ -7,13 +7,13 @@ from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from tiny_models import random_tokens, tiny_model
 
 
-@pytest.mark.parametrize("algorithm", ["snapkv", "h2o"])
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
 @pytest.mark.parametrize("aggregation", ["sum", "norm_sum"])
-def test_prefill_keeps_exactly_the_budget_with_both_windows(algorithm, aggregation):
+def test_prefill_keeps_exactly_the_budget_with_both_windows(method, aggregation):
     model = tiny_model("llama")
     params = KVCacheCompressionParameters(
-        algorithm=algorithm, start_size=32, intermediate_size=128, recent_size=64, score_aggregation=aggregation,
-        window_size=8 if algorithm == "snapkv" else None,
+        method=method, start_size=32, intermediate_size=128, recent_size=64, score_aggregation=aggregation,
+        window_size=8 if method == "snapkv" else None,
     )
     ids = random_tokens(1000)
     with KVCacheCompressor(params)(model) as session, torch.no_grad():

@@ -20,18 +20,18 @@ PROMPT, QUESTION = 70, 6
 SIZES = dict(start_size=4, intermediate_size=16, recent_size=8, budget_allocation="global")
 
 
-def _compressed(model, algorithm, ids):
-    params = scorer_parameters(algorithm, **SIZES)
+def _compressed(model, method, ids):
+    params = scorer_parameters(method, **SIZES)
     with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session:
         cache = session.prefill(ids)
         kept = {index: state.true_positions[0].tolist() for index, state in session.layers.items()}
     return params, cache, kept
 
 
-@pytest.mark.parametrize("algorithm", ["kvzip", "snapkv"])
-def test_layers_split_one_budget_and_free_the_rest(algorithm):
+@pytest.mark.parametrize("method", ["kvzip", "snapkv"])
+def test_layers_split_one_budget_and_free_the_rest(method):
     model = tiny_model("llama")
-    params, cache, kept = _compressed(model, algorithm, random_tokens(PROMPT))
+    params, cache, kept = _compressed(model, method, random_tokens(PROMPT))
     layers = model.config.num_hidden_layers
     lengths = [cache.layers[index].keys.shape[-2] for index in range(layers)]
     assert sum(lengths) == layers * params.max_cache_size  # the same total as the uniform budget
@@ -78,11 +78,11 @@ def _masked_eager(kept_per_layer, context):
     return attention
 
 
-@pytest.mark.parametrize("algorithm", ["kvzip", "snapkv"])
-def test_layers_of_different_lengths_equal_the_masked_full_cache(algorithm):
+@pytest.mark.parametrize("method", ["kvzip", "snapkv"])
+def test_layers_of_different_lengths_equal_the_masked_full_cache(method):
     model = tiny_model("llama", attn_implementation="eager")
     context, question = random_tokens(PROMPT, seed=1), random_tokens(QUESTION, seed=2)
-    params, cache, kept = _compressed(model, algorithm, context)
+    params, cache, kept = _compressed(model, method, context)
     assert len({cache.layers[i].keys.shape[-2] for i in kept}) > 1  # the layers really differ in length
     with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session, torch.no_grad():
         session.prefill(context)
@@ -98,13 +98,13 @@ def test_layers_of_different_lengths_equal_the_masked_full_cache(algorithm):
     torch.testing.assert_close(compressed, reference, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("algorithm", ["kvzip", "snapkv", "expected_attention"])
-def test_padded_batch_matches_solo_runs(algorithm):
+@pytest.mark.parametrize("method", ["kvzip", "snapkv", "expected_attention"])
+def test_padded_batch_matches_solo_runs(method):
     from tiny_models import BATCH_LENGTHS as LENGTHS
     from tiny_models import generate_batch, left_pad
 
     model = tiny_model("llama")
-    params = scorer_parameters(algorithm, start_size=4, intermediate_size=24, recent_size=12, decode_slack=4,
+    params = scorer_parameters(method, start_size=4, intermediate_size=24, recent_size=12, decode_slack=4,
                                budget_allocation="global")
     prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
     batched = generate_batch(model, params, *left_pad(prompts))

@@ -42,7 +42,7 @@ def _per_head_reference(attentions, kv_heads, params):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_per_head_snapkv_equals_a_top_k_per_head_from_eager_weights(arch):
     model = tiny_model(arch, attn_implementation="eager")
-    params = KVCacheCompressionParameters(algorithm="snapkv", window_size=WINDOW, head_selection="per_head", **SIZES)
+    params = KVCacheCompressionParameters(method="snapkv", window_size=WINDOW, head_selection="per_head", **SIZES)
     ids = random_tokens(PROMPT)
     with torch.no_grad():
         full = model(ids, use_cache=True, output_attentions=True)
@@ -70,7 +70,7 @@ def test_with_one_kv_head_per_head_equals_shared():
     ids = random_tokens(90)
     results = []
     for head_selection in ("shared", "per_head"):
-        params = KVCacheCompressionParameters(algorithm="snapkv", head_selection=head_selection, decode_slack=2,
+        params = KVCacheCompressionParameters(method="snapkv", head_selection=head_selection, decode_slack=2,
                                               **SIZES)
         with KVCacheCompressor(params)(model) as session:
             out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -80,12 +80,12 @@ def test_with_one_kv_head_per_head_equals_shared():
     assert results[0][1] == results[1][1]
 
 
-@pytest.mark.parametrize("algorithm", list(SCORERS))
-def test_budget_above_the_prompt_changes_nothing(algorithm):
+@pytest.mark.parametrize("method", list(SCORERS))
+def test_budget_above_the_prompt_changes_nothing(method):
     model = tiny_model("llama")
     ids = random_tokens(50)
     expected = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
-    params = scorer_parameters(algorithm, start_size=8, intermediate_size=200, recent_size=8,
+    params = scorer_parameters(method, start_size=8, intermediate_size=200, recent_size=8,
                                head_selection="per_head")
     with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model):
         got = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -95,7 +95,7 @@ def test_budget_above_the_prompt_changes_nothing(algorithm):
 @pytest.mark.parametrize("strategy", ["per_token", "per_group"])
 def test_decode_keeps_every_head_bounded_with_its_own_windows(strategy):
     model = tiny_model("llama")
-    params = KVCacheCompressionParameters(algorithm="h2o", strategy=strategy, group_size=4, head_selection="per_head",
+    params = KVCacheCompressionParameters(method="h2o", strategy=strategy, group_size=4, head_selection="per_head",
                                           decode_slack=3, **SIZES)
     slack = params.decode_slack if strategy == "per_token" else params.group_size
     with KVCacheCompressor(params)(model) as session, torch.no_grad():
@@ -120,7 +120,7 @@ def test_rerotated_per_head_keys_equal_keys_encoded_at_compact_positions():
     from kvcompress.rerotation import rotate_keys
 
     model = tiny_model("llama")
-    params = KVCacheCompressionParameters(algorithm="snapkv", head_selection="per_head", rerotate_keys=True, **SIZES)
+    params = KVCacheCompressionParameters(method="snapkv", head_selection="per_head", rerotate_keys=True, **SIZES)
     ids = random_tokens(PROMPT)
     with torch.no_grad():
         full = model(ids, use_cache=True).past_key_values

@@ -24,11 +24,11 @@ def _assert_complete_pages(true_positions, seen):
     assert sorted(middle) == sorted(start + page * GROUP + j for page in kept_pages for j in range(GROUP))
 
 
-@pytest.mark.parametrize("algorithm", ["snapkv", "h2o"])
-def test_pages_and_bounds_during_decoding(algorithm):
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_pages_and_bounds_during_decoding(method):
     model = tiny_model("llama")
-    params = KVCacheCompressionParameters(**{**PARAMS.to_dict(), "algorithm": algorithm,
-                                             "window_size": 8 if algorithm == "snapkv" else None})
+    params = KVCacheCompressionParameters(**{**PARAMS.to_dict(), "method": method,
+                                             "window_size": 8 if method == "snapkv" else None})
     budget = params.max_cache_size
     with KVCacheCompressor(params)(model) as session, torch.no_grad():
         out = model(random_tokens(203), use_cache=True)

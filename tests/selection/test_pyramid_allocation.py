@@ -39,7 +39,7 @@ def test_each_layer_holds_its_own_budget_and_the_total_is_the_uniform_one(head_s
     sizes = dict(start_size=4, intermediate_size=40, recent_size=8, head_selection=head_selection)
     caches = {}
     for allocation in ("uniform", "pyramid"):
-        params = KVCacheCompressionParameters(algorithm="snapkv", budget_allocation=allocation, **sizes)
+        params = KVCacheCompressionParameters(method="snapkv", budget_allocation=allocation, **sizes)
         with KVCacheCompressor(params)(model), torch.no_grad():
             caches[allocation] = model(ids, use_cache=True).past_key_values
     expected = (pyramid_scored_units(torch.tensor([40]), 4, 20.0)[:, 0] + 12).tolist()
@@ -54,7 +54,7 @@ def test_budget_above_the_prompt_changes_nothing(allocation, head_selection):
     model = _model()
     ids = random_tokens(60)
     expected = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    params = KVCacheCompressionParameters(algorithm="snapkv", start_size=8, intermediate_size=300, recent_size=8,
+    params = KVCacheCompressionParameters(method="snapkv", start_size=8, intermediate_size=300, recent_size=8,
                                           budget_allocation=allocation, head_selection=head_selection)
     with KVCacheCompressor(params)(model):
         got = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -64,7 +64,7 @@ def test_budget_above_the_prompt_changes_nothing(allocation, head_selection):
 @pytest.mark.parametrize("head_selection", ["shared", "per_head"])
 def test_a_padded_batch_equals_each_sequence_alone(head_selection):
     model = _model()
-    params = KVCacheCompressionParameters(algorithm="h2o", start_size=4, intermediate_size=24, recent_size=8,
+    params = KVCacheCompressionParameters(method="h2o", start_size=4, intermediate_size=24, recent_size=8,
                                           decode_slack=3, budget_allocation="pyramid", head_selection=head_selection)
     from tiny_models import left_pad
 

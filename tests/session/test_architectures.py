@@ -11,10 +11,10 @@ PARAMS = KVCacheCompressionParameters(start_size=4, intermediate_size=16, recent
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
-@pytest.mark.parametrize("algorithm", list(SCORERS))
-def test_full_layers_bounded_sliding_layers_untouched(arch, algorithm):
+@pytest.mark.parametrize("method", list(SCORERS))
+def test_full_layers_bounded_sliding_layers_untouched(arch, method):
     model = tiny_model(arch)
-    params = scorer_parameters(algorithm, start_size=4, intermediate_size=16, recent_size=8)
+    params = scorer_parameters(method, start_size=4, intermediate_size=16, recent_size=8)
     ids = random_tokens(100)
     with torch.no_grad():
         reference = model(ids, use_cache=True).past_key_values
@@ -37,11 +37,11 @@ def test_full_layers_bounded_sliding_layers_untouched(arch, algorithm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("algorithm", ["snapkv", "h2o"])
-def test_scores_are_finite_float32_in_every_dtype(dtype, algorithm):
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_scores_are_finite_float32_in_every_dtype(dtype, method):
     model = tiny_model("llama", dtype=dtype)
-    params = KVCacheCompressionParameters(**{**PARAMS.to_dict(), "algorithm": algorithm,
-                                             "window_size": 8 if algorithm == "snapkv" else None})
+    params = KVCacheCompressionParameters(**{**PARAMS.to_dict(), "method": method,
+                                             "window_size": 8 if method == "snapkv" else None})
     with KVCacheCompressor(params)(model) as session:
         out = model.generate(random_tokens(100), max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
         for state in session.layers.values():

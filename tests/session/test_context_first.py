@@ -34,10 +34,10 @@ def test_budget_above_everything_equals_uncompressed_generate(arch):
     assert torch.equal(answer, expected)
 
 
-@pytest.mark.parametrize("algorithm", list(SCORERS))
-def test_questions_see_the_same_compressed_context(algorithm):
+@pytest.mark.parametrize("method", list(SCORERS))
+def test_questions_see_the_same_compressed_context(method):
     model = tiny_model("llama")
-    params = scorer_parameters(algorithm, start_size=4, intermediate_size=16, recent_size=8, decode_slack=2)
+    params = scorer_parameters(method, start_size=4, intermediate_size=16, recent_size=8, decode_slack=2)
     context = random_tokens(CONTEXT, seed=1)
     questions = [random_tokens(QUESTION, seed=2), random_tokens(QUESTION + 3, seed=3)]
     with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session:

@@ -17,13 +17,13 @@ def _generate(model, ids, **kwargs):
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
-@pytest.mark.parametrize("algorithm", ["snapkv", "h2o"])
-def test_budget_above_length_is_exact(arch, algorithm):
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_budget_above_length_is_exact(arch, method):
     model = tiny_model(arch)
     ids = random_tokens(120)
     reference = _generate(model, ids)
-    window = 8 if algorithm == "snapkv" else None
-    params = KVCacheCompressionParameters(algorithm=algorithm, window_size=window, **LARGE)
+    window = 8 if method == "snapkv" else None
+    params = KVCacheCompressionParameters(method=method, window_size=window, **LARGE)
     with KVCacheCompressor(params)(model):
         compressed = _generate(model, ids)
     assert torch.equal(reference.sequences, compressed.sequences)

@@ -69,10 +69,10 @@ def test_budget_above_everything_three_turns_equal_uncompressed(arch):
     assert any(isinstance(layer, CompressedLayer) for layer in cache.layers)
 
 
-@pytest.mark.parametrize("algorithm", ["snapkv", "h2o", "kvzip"])
-def test_small_budget_later_turns_feed_only_new_tokens_at_true_positions(algorithm):
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "kvzip"])
+def test_small_budget_later_turns_feed_only_new_tokens_at_true_positions(method):
     model = tiny_model("llama")
-    params = scorer_parameters(algorithm, start_size=4, intermediate_size=16, recent_size=8, decode_slack=2)
+    params = scorer_parameters(method, start_size=4, intermediate_size=16, recent_size=8, decode_slack=2)
     uncompressed, compressed = [], []
     _conversation(model, record=uncompressed)
 
@@ -118,7 +118,7 @@ def test_chunked_prefill_keeps_the_slots_of_one_prefill_for_h2o_sum():
     prefill, so the summed scores, and the kept slots, are those of one prefill."""
     model = tiny_model("llama")
     ids = random_tokens(1024)
-    params = KVCacheCompressionParameters(algorithm="h2o", start_size=16, intermediate_size=748, recent_size=16)
+    params = KVCacheCompressionParameters(method="h2o", start_size=16, intermediate_size=748, recent_size=16)
     assert params.max_cache_size >= 768  # no eviction before the last chunk
     kept = []
     for chunk in (1024, 256):
@@ -132,10 +132,10 @@ def test_chunked_prefill_keeps_the_slots_of_one_prefill_for_h2o_sum():
     assert kept[0][0] != list(range(params.max_cache_size))  # the scores chose (the check can fail)
 
 
-@pytest.mark.parametrize("algorithm", list(SCORERS))
-def test_chunked_prefill_stays_bounded_for_every_method(algorithm):
+@pytest.mark.parametrize("method", list(SCORERS))
+def test_chunked_prefill_stays_bounded_for_every_method(method):
     model = tiny_model("llama")
-    params = scorer_parameters(algorithm, start_size=8, intermediate_size=48, recent_size=16)
+    params = scorer_parameters(method, start_size=8, intermediate_size=48, recent_size=16)
     ids = random_tokens(600)
     with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session, torch.no_grad():
         cache = DynamicCache(config=model.config)

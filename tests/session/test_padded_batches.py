@@ -11,14 +11,14 @@ from tiny_models import BATCH_LENGTHS as LENGTHS
 from tiny_models import generate_batch, left_pad, random_tokens, scorer_parameters, tiny_model
 
 
-@pytest.mark.parametrize("algorithm, strategy, rerotate, head_selection", list(
+@pytest.mark.parametrize("method, strategy, rerotate, head_selection", list(
     itertools.product(["snapkv", "h2o"], ["per_token", "per_group"], [False, True], ["shared", "per_head"])
 ))
-def test_each_sequence_matches_its_solo_run(algorithm, strategy, rerotate, head_selection):
+def test_each_sequence_matches_its_solo_run(method, strategy, rerotate, head_selection):
     model = tiny_model("llama")
     params = KVCacheCompressionParameters(
-        algorithm=algorithm, strategy=strategy, group_size=4, start_size=4, intermediate_size=24, recent_size=12,
-        window_size=8 if algorithm == "snapkv" else None, rerotate_keys=rerotate, decode_slack=4,
+        method=method, strategy=strategy, group_size=4, start_size=4, intermediate_size=24, recent_size=12,
+        window_size=8 if method == "snapkv" else None, rerotate_keys=rerotate, decode_slack=4,
         head_selection=head_selection,
     )
     prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
@@ -29,13 +29,13 @@ def test_each_sequence_matches_its_solo_run(algorithm, strategy, rerotate, head_
 
 
 @pytest.mark.parametrize("head_selection", ["shared", "per_head"])
-@pytest.mark.parametrize("algorithm", list(SCORERS))
-def test_every_scorer_gives_each_sequence_its_solo_run(algorithm, head_selection):
+@pytest.mark.parametrize("method", list(SCORERS))
+def test_every_scorer_gives_each_sequence_its_solo_run(method, head_selection):
     """Padding never enters a score: KVzip reconstructs each sequence's own tokens, Expected Attention's
     statistics and KeyDiff's anchor leave dead slots out, TOVA reads each sequence's last real query."""
     model = tiny_model("llama")
-    params = scorer_parameters(algorithm, start_size=4, intermediate_size=24, recent_size=12, decode_slack=4,
-                               scorer_options={"chunk_size": 32} if algorithm == "kvzip" else {},
+    params = scorer_parameters(method, start_size=4, intermediate_size=24, recent_size=12, decode_slack=4,
+                               scorer_options={"chunk_size": 32} if method == "kvzip" else {},
                                head_selection=head_selection)
     prompts = [random_tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
     batched = generate_batch(model, params, *left_pad(prompts))

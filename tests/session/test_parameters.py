@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from kvcompress import KVCacheCompressionMode, KVCacheCompressionParameters
+from kvcompress import KVCacheCompressionParameters
 
 INVALID = [
-    ({"algorithm": "pyramid"}, ValueError, "algorithm"),
-    ({"algorithm": 3}, ValueError, "algorithm"),
+    ({"method": "pyramid"}, ValueError, "method"),
+    ({"method": 3}, ValueError, "method"),
     ({"strategy": "per_head"}, ValueError, "strategy"),
     ({"strategy": 1}, TypeError, "strategy"),
     ({"group_size": 0}, ValueError, "group_size"),
@@ -21,7 +21,7 @@ INVALID = [
     ({"start_size": 0, "intermediate_size": 0, "recent_size": 0}, ValueError, "must be > 0"),
     ({"window_size": 0}, ValueError, "window_size"),
     ({"window_size": 8.0}, TypeError, "window_size"),
-    ({"algorithm": "h2o", "window_size": 8}, ValueError, "window_size"),
+    ({"method": "h2o", "window_size": 8}, ValueError, "window_size"),
     ({"snapkv_kernel_size": 4}, ValueError, "snapkv_kernel_size"),
     ({"snapkv_kernel_size": 0}, ValueError, "snapkv_kernel_size"),
     ({"score_aggregation": "mean"}, ValueError, "score_aggregation"),
@@ -42,7 +42,7 @@ INVALID = [
     ({"strategy": "per_group", "intermediate_size": 100}, ValueError, "intermediate_size"),
     ({"strategy": "per_group", "recent_size": 48}, ValueError, "recent_size"),
     ({"strategy": "per_group", "refined_algorithm": "kvcrush", "refined_size": 16}, ValueError, "refined_size"),
-    ({"scorer_options": {"chunk_size": 512}}, ValueError, "do not apply to algorithm='snapkv'"),
+    ({"scorer_options": {"chunk_size": 512}}, ValueError, "do not apply to method='snapkv'"),
     ({"budget_allocation": "adaptive_layers"}, ValueError, "budget_allocation must be one of"),
     ({"budget_allocation": 1}, TypeError, "budget_allocation"),
     ({"budget_allocation": "global", "rerotate_keys": True}, ValueError, "budget_allocation='global'"),
@@ -60,10 +60,10 @@ INVALID = [
     ({"head_selection": None}, TypeError, "head_selection"),
     ({"head_selection": "per_head", "refined_algorithm": "criticalkv"}, ValueError, "head_selection='per_head'"),
     ({"scorer_options": [("chunk_size", 512)]}, TypeError, "scorer_options must be a mapping"),
-    ({"algorithm": "kvzip", "scorer_options": {"chunk_size": "big"}}, TypeError, "chunk_size"),
-    ({"algorithm": "kvzip", "scorer_options": {"chunk_size": 0}}, ValueError, "chunk_size"),
-    ({"algorithm": "expected_attention", "scorer_options": {"covariance": 1}}, TypeError, "covariance"),
-    ({"algorithm": "tova", "window_size": 8}, ValueError, "window_size is only allowed with algorithm='snapkv'"),
+    ({"method": "kvzip", "scorer_options": {"chunk_size": "big"}}, TypeError, "chunk_size"),
+    ({"method": "kvzip", "scorer_options": {"chunk_size": 0}}, ValueError, "chunk_size"),
+    ({"method": "expected_attention", "scorer_options": {"covariance": 1}}, TypeError, "covariance"),
+    ({"method": "tova", "window_size": 8}, ValueError, "window_size is only allowed with method='snapkv'"),
 ]
 
 
@@ -80,13 +80,25 @@ def test_invalid_values_name_the_field(overrides, error, field):
 
 def test_defaults_and_round_trip(tmp_path):
     params = KVCacheCompressionParameters()
-    assert params.algorithm == KVCacheCompressionMode.SNAPKV == "snapkv" and params.window_size == 8
+    assert params.method == "snapkv" and params.window_size == 8
     assert params.max_cache_size == 224
     assert KVCacheCompressionParameters.from_dict(params.to_dict()) == params
     path = tmp_path / "p.yaml"
-    path.write_text("algorithm: h2o\nstart_size: 4\nintermediate_size: 60\nrecent_size: 4\n")
+    path.write_text("method: h2o\nstart_size: 4\nintermediate_size: 60\nrecent_size: 4\n")
     loaded = KVCacheCompressionParameters.from_yaml(path)
-    assert loaded.algorithm == "h2o" and loaded.window_size is None and loaded.max_cache_size == 68
+    assert loaded.method == "h2o" and loaded.window_size is None and loaded.max_cache_size == 68
+
+
+def test_the_old_name_algorithm_is_read_with_a_warning(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("algorithm: h2o\nstart_size: 4\nintermediate_size: 60\nrecent_size: 4\n")
+    with pytest.warns(FutureWarning, match="algorithm is deprecated: write method: 'h2o'"):
+        loaded = KVCacheCompressionParameters.from_yaml(path)
+    assert loaded.method == "h2o" and loaded.to_dict()["method"] == "h2o" and "algorithm" not in loaded.to_dict()
+    with pytest.warns(FutureWarning, match="read .method"):
+        assert loaded.algorithm == "h2o"
+    with pytest.raises(ValueError, match="algorithm: 'h2o' contradicts method 'snapkv'"):
+        KVCacheCompressionParameters.from_dict({"algorithm": "h2o", "method": "snapkv"})
 
 
 def test_yaml_unknown_key_and_wrong_type(tmp_path):

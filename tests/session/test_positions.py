@@ -36,8 +36,8 @@ def test_physical_positions_would_differ():
     assert not torch.allclose(outputs[0], outputs[1], atol=1e-4)
 
 
-@pytest.mark.parametrize("algorithm", ["snapkv", "h2o"])
-def test_decode_after_eviction_equals_full_cache_with_evicted_tokens_masked(algorithm):
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_decode_after_eviction_equals_full_cache_with_evicted_tokens_masked(method):
     """Independent reference: a one-layer model with the full cache, where a 2-D mask hides exactly the slots
     the compressor evicted (true positions kept), must give the same logits as the compressed cache."""
     import transformers
@@ -46,8 +46,8 @@ def test_decode_after_eviction_equals_full_cache_with_evicted_tokens_masked(algo
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2)
     model = transformers.LlamaForCausalLM(config).eval()
-    params = KVCacheCompressionParameters(algorithm=algorithm, start_size=4, intermediate_size=16, recent_size=8,
-                                          decode_slack=0, window_size=8 if algorithm == "snapkv" else None)
+    params = KVCacheCompressionParameters(method=method, start_size=4, intermediate_size=16, recent_size=8,
+                                          decode_slack=0, window_size=8 if method == "snapkv" else None)
     ids = random_tokens(80)
     steps = random_tokens(12, seed=3)
     with torch.no_grad():
