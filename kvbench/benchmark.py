@@ -55,6 +55,8 @@ class Benchmark(abc.ABC):
     keys: Mapping[str, str]  # the benchmark's top-level YAML keys -> the message when a required one is missing
     required: frozenset[str]
     errors: tuple[type[Exception], ...] = ()  # its data errors, reported by the command line without a traceback
+    # records that cannot be made for one task (at one length): the runner says so and goes on with the others
+    unavailable: tuple[type[Exception], ...] = ()
 
     @abc.abstractmethod
     def parse_options(self, config: Mapping[str, Any], base_dir: Path, model_path: str) -> Any:

@@ -38,7 +38,7 @@ __all__ = [
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct of kvcompress.models
+DEFAULT_MODEL = "default"  # the embedded default model of kvcompress.models (any of model_names() works too)
 DEFAULT_BENCHMARK = "longbench"
 
 
@@ -125,7 +125,9 @@ def _parse_model(value: Any) -> ModelSpec:
     section = check_mapping(value, "model")
     no_unknown_keys(section, {field.name for field in dataclasses.fields(ModelSpec)}, "model")
     if "path" not in section:
-        raise ConfigError(f"model.path: required (a local folder, a Hub id, or {DEFAULT_MODEL!r})")
+        raise ConfigError(
+            f"model.path: required (a local folder, a Hub id, {DEFAULT_MODEL!r} or an embedded model's name)"
+        )
     device_map = section.get("device_map")
     if device_map is not None and not isinstance(device_map, (str, Mapping)):
         raise ConfigError(

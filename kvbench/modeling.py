@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .experiment import DEFAULT_MODEL, ModelSpec
+from .experiment import ModelSpec
 from .sharding import Shard
 
 __all__ = ["load_model", "input_device"]
@@ -23,11 +23,12 @@ def load_model(spec: ModelSpec, shard: Shard) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = spec.dtype if spec.dtype == "auto" else getattr(torch, spec.dtype)
-    if spec.path == DEFAULT_MODEL:
-        from kvcompress.models import default_dtype, load_default_model
+    from kvcompress.models import DEFAULT_ALIAS, default_dtype, model_names
+    from kvcompress.models import load_model as load_embedded
 
-        model, tokenizer = load_default_model(
-            dtype=default_dtype(_device(shard)) if dtype == "auto" else dtype,
+    if spec.path in (DEFAULT_ALIAS, *model_names()):  # an embedded model, by name
+        model, tokenizer = load_embedded(
+            spec.path, dtype=default_dtype(_device(shard)) if dtype == "auto" else dtype,
             attn_implementation=spec.attn_implementation,
         )
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import random
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,8 @@ from .predictions import PredictionWriter, merge, read_predictions
 from .sharding import Shard, wait_for_samples
 
 __all__ = ["generate_prediction", "predict_task", "predict_experiment"]
+
+logger = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -135,10 +138,12 @@ def predict_experiment(experiment: Experiment, settings: Sequence[CompressionSet
     for setting in settings:
         _check_pipeline(experiment, setting)
     benchmark = experiment.benchmark
-    records = {
-        task: benchmark.load_records(experiment.options, task, experiment.output_dir)[: experiment.limit]
-        for task in experiment.tasks
-    }
+    records = {}
+    for task in experiment.tasks:
+        try:
+            records[task] = benchmark.load_records(experiment.options, task, experiment.output_dir)[: experiment.limit]
+        except benchmark.unavailable as error:
+            logger.warning("%s: left out, its records cannot be made (%s)", task, error)
     seed_everything(experiment.seed)
     model, tokenizer = load_model(experiment.model, shard)
     if experiment.model.chat_template and tokenizer.chat_template is None:
@@ -147,9 +152,9 @@ def predict_experiment(experiment: Experiment, settings: Sequence[CompressionSet
             "to false for the raw-prompt pipeline (as SnapKV, AdaKV and PyramidKV ran Mistral)"
         )
     for setting in settings:
-        for task in experiment.tasks:
+        for task in records:
             predict_task(model, tokenizer, experiment, setting, task, records[task], shard)
     if shard.is_main:
         for setting in settings:
-            for task in experiment.tasks:
+            for task in records:
                 _finalise_task(experiment, setting.name, task, [record["_id"] for record in records[task]])

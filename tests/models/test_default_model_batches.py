@@ -17,7 +17,7 @@ def default_model():
         # float32 whatever the CPU: the batch must reproduce the solo runs token for token, and bfloat16's
         # rounding differs between a padded batch's matrix products and a single sequence's.
         model, tokenizer = models.load_default_model(dtype=torch.float32)
-    except models.DefaultModelUnavailableError as error:
+    except models.ModelUnavailableError as error:
         pytest.skip(f"default model not installed: {error}")
     tokenizer.padding_side = "left"
     return model, tokenizer

@@ -11,11 +11,11 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def _readme_code(heading: str, short_answer: tuple[str, str]) -> str:
     """The first Python block after ``heading``, its ``max_new_tokens`` shortened; skips without the model."""
-    from kvcompress.models import DefaultModelUnavailableError, default_gguf_path
+    from kvcompress.models import ModelUnavailableError, embedded_model
 
     try:
-        default_gguf_path()
-    except DefaultModelUnavailableError as error:
+        embedded_model().package_locations()
+    except ModelUnavailableError as error:
         pytest.skip(f"default model not installed: {error}")
     text = README.read_text(encoding="utf-8")
     code = re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)

