@@ -58,7 +58,8 @@ class CompressionSetting:
     ``budget`` is the slots per layer (an integer), a fraction in (0, 1) of each prompt's compressed tokens, or
     None (the full cache, or explicit parameters). ``parameters`` are kvcompress's parameters when they do not
     depend on the prompt (an integer budget or explicit fields), else None; ``overrides`` are the fields the
-    setting gives on top of the method's preset.
+    setting gives on top of the method's preset. ``prefill_chunk_size`` feeds the compressed tokens that many at a
+    time, back to the budget after each chunk (``session.prefill(..., chunk_size=)``).
     """
 
     name: str
@@ -66,6 +67,7 @@ class CompressionSetting:
     budget: int | float | None
     parameters: Any = None  # a kvcompress KVCacheCompressionParameters, or None
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    prefill_chunk_size: int | None = None
 
     @property
     def is_full_cache(self) -> bool:
@@ -83,11 +85,14 @@ class CompressionSetting:
         return compress(model, self.method, self.budget, tokenizer, **self.overrides)
 
     def describe(self) -> dict[str, Any]:
-        return {
+        described = {
             "name": self.name, "method": self.method, "budget": self.budget,
             "parameters": None if self.parameters is None else self.parameters.to_dict(),
             "overrides": dict(self.overrides),
         }
+        if self.prefill_chunk_size is not None:  # absent otherwise: older results' pipeline records stay valid
+            described["prefill_chunk_size"] = self.prefill_chunk_size
+        return described
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,13 +203,16 @@ def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
     from kvcompress.parameters import RENAMED_KEYS, renamed
 
     section = check_mapping(entry, key)
-    no_unknown_keys(section, {"name", "budget", "budgets", *RENAMED_KEYS} | _parameter_fields(), key)
+    no_unknown_keys(section, {"name", "budget", "budgets", "prefill_chunk_size", *RENAMED_KEYS} | _parameter_fields(),
+                    key)
     try:
         section = renamed(section, f"{key}.")
     except ValueError as error:
         raise ConfigError(str(error)) from None
     method = check_string(section.pop("method", "snapkv"), f"{key}.method", _methods())
     name = check_name(section.pop("name"), f"{key}.name") if "name" in section else None
+    chunk = section.pop("prefill_chunk_size", None)
+    chunk = None if chunk is None else check_integer(chunk, f"{key}.prefill_chunk_size", 1)
     if method == "none":
         if section:
             raise ConfigError(f"{key}.{sorted(section)[0]}: method 'none' (the full cache) takes only a name")
@@ -226,10 +234,11 @@ def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
     for budget in budgets:
         parameters = _build_parameters(method, budget, dict(section), key)
         size = parameters.max_cache_size if budget is None else budget
-        # a sweep's settings are <name or method>-<budget>; a single setting keeps the name it was given
-        label = name if name is not None and "budgets" not in entry else f"{name or method}-{_budget_label(size)}"
+        # a sweep's settings are <name or method[-chunkN]>-<budget>; a single setting keeps the name it was given
+        stem = name or (method if chunk is None else f"{method}-chunk{chunk}")
+        label = name if name is not None and "budgets" not in entry else f"{stem}-{_budget_label(size)}"
         fixed = parameters if not isinstance(budget, float) else None  # a fraction is resolved per prompt
-        settings.append(CompressionSetting(label, method, size, fixed, dict(section)))
+        settings.append(CompressionSetting(label, method, size, fixed, dict(section), chunk))
     return settings
 
 

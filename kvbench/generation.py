@@ -5,10 +5,13 @@ all of it (LongBench, RULER ``query_aware``), the whole prompt goes to ``model.g
 so the question is seen when the prompt is compressed. When it covers the context only (RULER ``context_first``,
 kvpress's leaderboard protocol), ``session.prefill`` compresses the context first and ``session.generate`` reads
 the question and answers on the compressed context. The full cache runs the whole prompt through plain
-``generate`` either way: with nothing evicted the two protocols compute the same thing.
+``generate`` either way: with nothing evicted the two protocols compute the same thing. A setting with a
+``prefill_chunk_size`` prefills in chunks through ``session.prefill``: the context (``context_first``), or the
+whole prompt but its last token, which then opens the answer (``query_aware``).
 
 The KV bytes are measured, not derived from the budget: ``kv_bytes`` is what the cache's key and value tensors
-hold once the prompt is compressed (for ``query_aware`` at the end of generation, decoded tokens included), and
+hold once the prompt is compressed (for ``query_aware`` at the end of generation, decoded tokens included, unless
+it was prefilled in chunks), and
 ``full_kv_bytes`` what the uncompressed cache holds for the same tokens (each compressed layer's bytes per slot
 times the tokens it has seen; layers kvcompress does not compress, such as sliding windows, count as they are).
 """
@@ -49,7 +52,8 @@ def generate(model: Any, tokenizer: Any, setting: CompressionSetting, prompt: Pr
     """Greedy new tokens for ``prompt`` (batch size 1) under ``setting``, and the cache's bytes."""
     ids = torch.tensor([prompt.input_ids], device=input_device(model))
     options = {**GREEDY, **prompt.generation}
-    if setting.is_full_cache or not prompt.context_first:
+    chunked = setting.prefill_chunk_size is not None and not setting.is_full_cache
+    if setting.is_full_cache or not (prompt.context_first or chunked):
         compression = contextlib.nullcontext() if setting.is_full_cache else setting.compression(model, tokenizer)
         with compression:
             output = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **options)
@@ -60,10 +64,11 @@ def generate(model: Any, tokenizer: Any, setting: CompressionSetting, prompt: Pr
     unsupported = sorted(set(options) - set(GREEDY) - {"max_new_tokens", "eos_token_id"})
     if unsupported:
         raise ValueError(f"the context-first protocol does not take the generation option(s) {unsupported}")
-    context, question = ids[:, :prompt.prefill_length], ids[:, prompt.prefill_length:]
+    prefill_length = prompt.prefill_length if prompt.context_first else ids.shape[1] - 1
+    context, question = ids[:, :prefill_length], ids[:, prefill_length:]
     with setting.compression(model, tokenizer) as session:
-        cache = session.prefill(context)
-        kv_bytes, full_kv_bytes = cache_bytes(cache, prompt.prefill_length)
+        cache = session.prefill(context, chunk_size=setting.prefill_chunk_size)
+        kv_bytes, full_kv_bytes = cache_bytes(cache, prefill_length)
         answer = session.generate(question, max_new_tokens=options["max_new_tokens"],
                                   eos_token_id=options.get("eos_token_id"))
     eos = options.get("eos_token_id", model.generation_config.eos_token_id)

@@ -53,12 +53,17 @@ class BudgetPlan:
         # each compressed layer's scored area per sequence where it is not the parameters', and its smallest
         # value, read from the device once per sequence
         self.sequence_units: dict[int, tuple[torch.Tensor, int]] = {}
+        # (B, T) real tokens of a whole prompt that arrives in several forwards (chunked prefill): its sequence's
+        # budget follows all of them, not the first forward's
+        self.whole_prompt: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ a new sequence
     def start_sequence(self, prompt_valid: torch.Tensor, layers: list[int]) -> KVCacheCompressionParameters:
         """A prompt starts a sequence (B, q real tokens): the parameters it runs with, and every layer's initial
         per-sequence area (``sequence_units``)."""
         base = None
+        if self.whole_prompt is not None:
+            prompt_valid = self.whole_prompt.to(prompt_valid.device)
         if self._prompt_parameters is not None:
             lengths = prompt_valid.sum(-1).tolist()
             self.parameters = params = self._prompt_parameters(max(lengths))

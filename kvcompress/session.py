@@ -125,16 +125,37 @@ class CompressionSession:
 
     # ------------------------------------------------------------------ compress a context once, ask after
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DynamicCache:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                chunk_size: int | None = None) -> DynamicCache:
         """Run a context through the model and compress it, before any question is seen (query-agnostic).
 
         Questions then follow with ``generate``, each on its own copy of the compressed context. ``attention_mask``
         (B, T) marks real tokens of a left-padded batch. Returns the compressed cache.
+
+        ``chunk_size`` feeds the context ``chunk_size`` tokens at a time and brings the cache back to its budget
+        after each chunk, so it never holds more than the budget plus one chunk per layer: a context whose full
+        cache would not fit can be compressed. Each chunk is scored by the method's own rule over the slots kept
+        so far plus the chunk (KVzip reconstructs the chunk's own tokens over that cache, and a kept slot's score
+        is the most any reconstruction gave it). Chunks are cut from the context's end, so the first may be
+        shorter and each sequence of a left-padded batch is cut where it would be alone; a fractional budget is a
+        fraction of the whole context.
         """
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                       or chunk_size < 1):
+            raise ValueError(f"chunk_size must be a positive integer (tokens per forward) or None, got {chunk_size!r}")
+        length = input_ids.shape[-1]
+        chunk_size = chunk_size or length
+        positions = positions_from_mask(mask)
         cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions_from_mask(mask), cache=cache,
-                   use_cache=True, logits_to_keep=1)
+        self.budget.whole_prompt = mask.bool()
+        try:
+            for end in range(length % chunk_size or chunk_size, length + 1, chunk_size):
+                start = max(0, end - chunk_size)
+                self.model(input_ids=input_ids[:, start:end], attention_mask=mask[:, :end],
+                           position_ids=positions[:, start:end], cache=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            self.budget.whole_prompt = None
         self._context = cache, mask
         return cache
 

@@ -42,6 +42,20 @@ def test_sweep_expands_methods_and_budgets(tmp_path, make_config):
     assert explicit.method == "h2o" and explicit.budget == 64
 
 
+def test_a_chunked_prefill_is_part_of_the_setting(tmp_path, make_config):
+    experiment = _parse(tmp_path, make_config, compression=[
+        {"method": "kvzip", "budgets": [0.2], "prefill_chunk_size": 1024},
+        {"name": "mine", "method": "snapkv", "budget": 0.2, "prefill_chunk_size": 512},
+        {"method": "kvzip", "budget": 0.2},
+    ])
+    chunked, named, one_shot = experiment.settings
+    assert (chunked.name, chunked.prefill_chunk_size, named.name, named.prefill_chunk_size) == (
+        "kvzip-chunk1024-0.2", 1024, "mine", 512)
+    assert chunked.describe()["prefill_chunk_size"] == 1024 and "prefill_chunk_size" not in one_shot.describe()
+    with pytest.raises(ConfigError, match=r"^compression\[0\]\.prefill_chunk_size: must be"):
+        _parse(tmp_path, make_config, compression=[{"method": "kvzip", "budget": 0.2, "prefill_chunk_size": 0}])
+
+
 def test_old_spellings_are_read_with_a_warning(tmp_path, make_config):
     with pytest.warns(FutureWarning) as caught:
         experiment = _parse(tmp_path, make_config, compression=[

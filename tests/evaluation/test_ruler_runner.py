@@ -166,6 +166,23 @@ def test_a_task_whose_records_cannot_be_made_is_left_out_and_the_others_run(tmp_
     assert list(scores) == [f"niah_single_1_{LENGTH}"]
 
 
+@pytest.mark.parametrize("protocol", ["context_first", "query_aware"])
+def test_a_chunk_as_long_as_the_prompt_answers_as_the_one_shot_prefill(tmp_path, make_ruler_config, protocol):
+    """Chunks of the prompt go through session.prefill; one chunk is the one-shot context-first prefill (and, in
+    the query-aware protocol, the whole prompt but its last token, which opens the answer)."""
+    settings = [{"name": "one-shot", "method": "snapkv", "budget": 0.5, "window_size": 4},
+                {"name": "one-chunk", "method": "snapkv", "budget": 0.5, "window_size": 4, "prefill_chunk_size": 4096},
+                {"name": "chunked", "method": "snapkv", "budget": 0.5, "window_size": 4, "prefill_chunk_size": 64}]
+    config = make_ruler_config(tmp_path, protocol=protocol, tasks=["niah_single_1"], compression=settings)
+    assert main(["run", str(config)]) == 0
+    one_shot, one_chunk, chunked = (_lines(tmp_path / "out", name, "niah_single_1") for name in
+                                    ("one-shot", "one-chunk", "chunked"))
+    assert [line["kv_bytes"] for line in one_chunk] == [line["kv_bytes"] for line in chunked]
+    if protocol == "context_first":
+        assert [line["pred"] for line in one_chunk] == [line["pred"] for line in one_shot]
+        assert [line["kv_bytes"] for line in one_chunk] == [line["kv_bytes"] for line in one_shot]
+
+
 def test_config_errors_name_the_key(tmp_path, make_ruler_config, capsys):
     assert main(["evaluate", str(make_ruler_config(tmp_path, protocol="question_first"))]) == 2
     assert "protocol: must be one of ['query_aware', 'context_first']" in capsys.readouterr().err

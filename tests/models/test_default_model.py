@@ -98,13 +98,14 @@ def test_budget_above_prompt_changes_nothing(default_model):
 @pytest.mark.slow
 @needs_model
 def test_snapkv_at_20_percent_keeps_retrieval(default_model):
-    """10 seeded passkey / key-value prompts: SnapKV keeps >= 90% of full-cache accuracy and beats start+recent.
-    The needles sit at every other depth of the 20-prompt set the suite ran before (float32 there: full 18,
-    SnapKV 17, start+recent 2), the depths where the full cache answers both tasks (float32 and bfloat16 alike:
-    full 10, SnapKV 10, start+recent 2)."""
+    """6 seeded passkey / key-value prompts: SnapKV answers at most one fewer than the full cache and more than
+    start+recent. The needles sit at 15, 55 and 95 % depth, where the full cache answers both tasks. Calibration
+    in float32: on these 6, full 6, SnapKV 6, start+recent 2 (the needle at 95 % is in its recent window); on
+    the 10 prompts at every other depth the suite ran before, full 10, SnapKV 10, start+recent 2 (float32 and
+    bfloat16 alike); on the 20 before that, full 18, SnapKV 17, start+recent 2."""
     model, tokenizer = default_model
-    samples = make_samples(["passkey", "kv-2"], [1024], RETRIEVAL_DEPTHS[1::2], seed=0, tokenizer=tokenizer)
-    assert len(samples) == 10
+    samples = make_samples(["passkey", "kv-2"], [1024], RETRIEVAL_DEPTHS[1::4], seed=0, tokenizer=tokenizer)
+    assert len(samples) == 6
     correct = {"full": 0, "snapkv-norm_sum": 0, "start+recent": 0}
     with both_cores():
         for sample in samples:
@@ -117,8 +118,8 @@ def test_snapkv_at_20_percent_keeps_retrieval(default_model):
                 correct[method] += sample.is_correct(text)
                 if params is not None:
                     assert kv_cache_length(out.past_key_values) <= params.max_cache_size + params.decode_slack
-    assert correct["full"] >= 0.8 * len(samples), correct
-    assert correct["snapkv-norm_sum"] >= 0.9 * correct["full"], correct
+    assert correct["full"] >= len(samples) - 1, correct
+    assert correct["snapkv-norm_sum"] >= correct["full"] - 1, correct
     assert correct["snapkv-norm_sum"] > correct["start+recent"], correct
 
 
@@ -162,9 +163,9 @@ def test_kvzip_keeps_ruler_needles_when_the_context_is_compressed_first(default_
 @needs_model
 def test_a_chat_resumes_a_compressed_cache_and_finds_the_first_turns_passkey(default_model):
     """Turn 1 gives a ~1,270-token text with a passkey and no question; KVzip compresses it to 20 % inside
-    ``generate``; turn 2, a plain ``generate`` on the same cache, asks for the passkey. On 5 prompts (needles at
-    5 % to 85 % depth) the compressed chat answers at most one fewer correctly than the uncompressed one, and its
-    cache stays at about 20 %. Calibrated in float32 on 10 depths: full 10, KVzip 10 (at ~2,000 tokens, the
+    ``generate``; turn 2, a plain ``generate`` on the same cache, asks for the passkey. On 3 prompts (needles at
+    5, 45 and 85 % depth) the compressed chat answers at most one fewer correctly than the uncompressed one, and
+    its cache stays at about 20 %. Calibrated in float32 on 10 depths: full 10, KVzip 10 (at ~2,000 tokens, the
     suite's earlier length, the full cache missed the early needles of this two-turn format: 6 of 10)."""
     from kvcompress import compress
 
@@ -185,12 +186,12 @@ def test_a_chat_resumes_a_compressed_cache_and_finds_the_first_turns_passkey(def
 
     correct = {"full": 0, "kvzip": 0}
     with both_cores():
-        for depth in RETRIEVAL_DEPTHS[::2]:
+        for depth in RETRIEVAL_DEPTHS[::4]:
             sample = make_chat_sample("passkey", 1200, depth, 3, tokenizer)
             correct["full"] += chat(sample)[0]
             with compress(model, method="kvzip", budget=0.2, tokenizer=tokenizer):
                 found, cache = chat(sample)
             correct["kvzip"] += found
             assert kv_cache_length(cache) <= 0.2 * len(sample.first_turn_ids) + 40  # + turn 2 and decode slack
-    assert correct["full"] >= 4, correct
+    assert correct["full"] >= 2, correct
     assert correct["kvzip"] >= correct["full"] - 1, correct
