@@ -36,7 +36,8 @@ which is also the layout our benchmark uses.
 
 Output: one JSONL line per finished (source, index, method, kept, protocol) in ``<out>/peer_kvpress_runs.jsonl``,
 flushed and fsynced per line; a rerun skips finished keys and drops a trailing partial line (kill -9 safe).
-``<out>/peer_kvpress_summary.md`` holds the accuracy table.
+``<out>/peer_kvpress_summary.md`` holds the accuracy table, and ``<out>/<protocol>/scores.json`` the scores in the
+runner's form, for ``kvcompress-ruler report`` (the leaderboard beside ours).
 """
 
 from __future__ import annotations
@@ -93,12 +94,30 @@ PRESSES = {
 }
 
 
+ADAPTIVE = "-adaptive"  # X-adaptive: kvpress's AdaKVPress around X (AdaKV, alpha_safeguard 0.2 as ours)
+BLOCK = re.compile(r"^(.*)-block(\d+)$")  # X-blockN: kvpress's BlockPress around X, blocks of N tokens
+
+
+def method_name(text: str) -> str:
+    """A method of ``ALL_METHODS``, or one wrapped: ``X-adaptive`` (AdaKV), ``X-blockN`` (block-wise)."""
+    block = BLOCK.match(text)
+    base = block.group(1) if block else text.removesuffix(ADAPTIVE)
+    if base not in ALL_METHODS or base == "none" and text != "none":
+        raise argparse.ArgumentTypeError(f"unknown method {text!r}; choose from {ALL_METHODS}, X-adaptive, X-blockN")
+    return text
+
+
 def make_press(method: str, kept: float):
     """kvpress press for ``method`` keeping the fraction ``kept`` (compression_ratio = 1 - kept); None: full cache."""
     import kvpress
 
     if method == "none":
         return None
+    block = BLOCK.match(method)
+    if block:
+        return kvpress.BlockPress(press=make_press(block.group(1), kept), block_size=int(block.group(2)))
+    if method.endswith(ADAPTIVE):
+        return kvpress.AdaKVPress(press=make_press(method.removesuffix(ADAPTIVE), kept), alpha_safeguard=0.2)
     if method not in PRESSES:
         raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
     name, arguments = PRESSES[method]
@@ -110,7 +129,7 @@ def make_press(method: str, kept: float):
 # ----------------------------------------------------------------------------------------------------------------
 
 sys.path.insert(0, str(REPO))
-from ruler.metrics import postprocess_prediction, string_match_all_per_sample  # noqa: E402
+from ruler.metrics import postprocess_prediction, score_task, string_match_all_per_sample  # noqa: E402
 from ruler.prompts import max_new_tokens as ruler_max_new_tokens  # noqa: E402
 from ruler.prompts import split_input  # noqa: E402
 
@@ -339,6 +358,44 @@ def summarize(records: list[dict]) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def write_scores(records: list[dict], out: Path, title: str) -> list[Path]:
+    """``<out>/<protocol>/scores.json`` in the form of the runner's (``kvcompress-ruler report`` reads them beside
+    ours): per (method, kept) the RULER score of each records file, the samples, and the KV bytes held over the
+    full cache's (the tensors' real bytes: a press that masks holds them all)."""
+    latest = list({run_key(r): r for r in records}.values())
+    written = []
+    for protocol in sorted({r["protocol"] for r in latest}):
+        groups: dict[tuple, list[dict]] = defaultdict(list)
+        for r in latest:
+            if r["protocol"] == protocol:
+                groups[(r["method"], float(r["kept"]))].append(r)
+        settings = []
+        for (method, kept), group in groups.items():
+            by_source: dict[str, list[dict]] = defaultdict(list)
+            for r in sorted(group, key=lambda r: int(r["index"])):
+                by_source[r["source"]].append(r)
+            settings.append({
+                "name": "full" if method == "none" else f"{method}-{kept:g}", "method": method,
+                "budget": None if method == "none" else kept,
+                "scores": {source: score_task(rs[0]["task"], [r["prediction"] for r in rs], [r["outputs"] for r in rs])
+                           for source, rs in by_source.items()},
+                "samples": {source: len(rs) for source, rs in by_source.items()},
+                "kv_ratio": round(sum(r["kv_bytes"] for r in group) / sum(r["kv_bytes_full_context"] for r in group),
+                                  4),
+            })
+        order = {m: i for i, m in enumerate(ALL_METHODS)}
+        settings.sort(key=lambda s: (s["budget"] is not None, order.get(s["method"], 99), s["method"],
+                                     s["budget"] or 0))
+        path = out / protocol / "scores.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        summary = {"benchmark": "ruler", "experiment": title, "library": "kvpress", "protocol": protocol,
+                   "full_cache_setting": "full" if any(s["name"] == "full" for s in settings) else None,
+                   "settings": settings, "versions": versions()}
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        written.append(path)
+    return written
+
+
 def versions() -> dict:
     import importlib.metadata as md
 
@@ -354,7 +411,8 @@ def versions() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", nargs="+", default=[], help="RULER validation.jsonl file(s)")
-    ap.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(ALL_METHODS), type=method_name,
+                    help="methods of kvpress (ALL_METHODS), X-adaptive (AdaKVPress), X-blockN (BlockPress)")
     ap.add_argument("--kept", nargs="+", type=float, default=[0.1, 0.2, 0.4], help="kept fractions (1 - ratio)")
     ap.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)
     ap.add_argument("--limit", type=int, default=None, help="first N samples of each file")
@@ -363,6 +421,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="converted model folder (default: project's cache)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "peer_kvpress")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite the summary from the results file")
+    ap.add_argument("--title", default="kvpress 0.5.5", help="the runs' name in <out>/<protocol>/scores.json")
     args = ap.parse_args(argv)
 
     logging.getLogger("kvpress").setLevel(logging.ERROR)
@@ -392,6 +451,7 @@ def main(argv=None) -> int:
         tmp = summary_path.with_suffix(".tmp")
         tmp.write_text(text)
         tmp.replace(summary_path)
+        write_scores(recs, args.out, args.title)
         return table
 
     if args.summary_only:

@@ -1,5 +1,6 @@
-"""``kvcompress-ruler``: ``generate`` RULER records for a tokenizer with the official generator scripts, and
-``run`` / ``predict`` / ``evaluate`` an experiment file (``kvcompress-eval`` with RULER as the default benchmark).
+"""``kvcompress-ruler``: ``generate`` RULER records for a tokenizer with the official generator scripts, ``run`` /
+``predict`` / ``evaluate`` an experiment file (``kvcompress-eval`` with RULER as the default benchmark), and
+``report`` finished runs as a leaderboard (``ruler.leaderboard``).
 
 ``generate`` prints one line per task and length: where the records are, how many seconds they took and whether
 they came from the cache. Tasks run one after another: each script is single-threaded and spends most of its time
@@ -63,11 +64,31 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=1800.0, help="seconds one generator run may take (default: 1800)"
     )
     add_commands(commands)
+    report = commands.add_parser(
+        "report", help="the leaderboard view of finished runs: means over the tasks the full cache solves, a plot"
+    )
+    report.add_argument("folders", nargs="+", help="runs' output folders (each with its scores.json)")
+    report.add_argument("--out", required=True, help="writes OUT.md and OUT.png")
+    report.add_argument("--calibration", help="the run whose full cache picks the counted tasks (default: the "
+                                              "first with a full-cache setting)")
     return parser
+
+
+def _report(arguments: argparse.Namespace) -> int:
+    from .leaderboard import leaderboard
+
+    try:
+        print(leaderboard(arguments.folders, arguments.out, arguments.calibration))
+    except (FileNotFoundError, ValueError) as error:
+        print(f"kvcompress-ruler: error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     arguments = _parser().parse_args(argv)
+    if arguments.command == "report":
+        return _report(arguments)
     if arguments.command != "generate":
         return run(arguments, "kvcompress-ruler", "ruler")
     if arguments.samples <= 0:
