@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from retrieval_methods import DEFAULT_METHODS, METHODS, method_parameters  # noqa: E402
-from retrieval_report import (  # noqa: E402
+from benchmarks.retrieval_methods import DEFAULT_METHODS, METHODS, method_parameters  # noqa: E402
+from benchmarks.retrieval_report import (  # noqa: E402
     ALL,
     FULL,
     Record,
@@ -42,8 +42,7 @@ from retrieval_report import (  # noqa: E402
     summarise,
     write_tables,
 )
-from retrieval_tasks import DEFAULT_TASKS, TASKS, Sample, make_samples  # noqa: E402
-
+from benchmarks.retrieval_tasks import DEFAULT_TASKS, TASKS, Sample, make_samples  # noqa: E402
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
 from kvcompress.cache import kv_cache_length  # noqa: E402
 from kvcompress.models import load_default_model  # noqa: E402

@@ -9,19 +9,15 @@ does not depend on the processor) on seeded prompts of ~1,000 tokens, built by t
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.retrieval_methods import method_parameters
+from benchmarks.retrieval_tasks import make_samples
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor, models
 from kvcompress.cache import kv_cache_length
 from tiny_models import both_cores
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from retrieval_methods import method_parameters  # noqa: E402
-from retrieval_tasks import make_samples  # noqa: E402
 
 
 def _unavailable_reason() -> str:
@@ -170,8 +166,7 @@ def test_a_chat_resumes_a_compressed_cache_and_finds_the_first_turns_passkey(def
     from kvcompress import compress
 
     model, tokenizer = default_model
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from retrieval_tasks import make_chat_sample, next_turn_ids
+    from benchmarks.retrieval_tasks import make_chat_sample, next_turn_ids
 
     def chat(sample):
         first = torch.tensor([sample.first_turn_ids])
