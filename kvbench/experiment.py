@@ -303,9 +303,11 @@ def load_experiment(path: str | Path, default_benchmark: str = DEFAULT_BENCHMARK
     return parse_experiment(config, path.resolve().parent, default_benchmark)
 
 
-def pipeline_record(experiment: Experiment, setting: CompressionSetting) -> dict[str, Any]:
+def pipeline_record(experiment: Experiment, setting: CompressionSetting, computed_dtype: str) -> dict[str, Any]:
     """What produces a setting's predictions, written next to them (papers differ exactly here: chat template,
-    truncation cap, protocol). ``generation`` must not change while a setting's files are resumed."""
+    truncation cap, protocol). ``generation`` must not change while a setting's files are resumed.
+    ``computed_dtype`` is the dtype the model computes in (``auto`` resolved: an embedded model's depends on the
+    machine), so that predictions made in bfloat16 are not resumed in float32."""
     model = experiment.model
     versions = {}
     for package in ("kvcompress", "transformers", "torch"):
@@ -316,7 +318,8 @@ def pipeline_record(experiment: Experiment, setting: CompressionSetting) -> dict
     return {
         "generation": {
             "benchmark": experiment.benchmark.name,
-            "model": model.path, "dtype": model.dtype, "attn_implementation": model.attn_implementation,
+            "model": model.path, "dtype": model.dtype, "computed_dtype": computed_dtype,
+            "attn_implementation": model.attn_implementation,
             "chat_template": model.chat_template,
             "max_new_tokens": experiment.max_new_tokens,  # null: the benchmark's own length per task
             "seed": experiment.seed,

@@ -9,12 +9,28 @@ import torch
 from .experiment import ModelSpec
 from .sharding import Shard
 
-__all__ = ["load_model", "input_device"]
+__all__ = ["computed_dtype", "load_model", "input_device"]
 
 
 def _device(shard: Shard) -> torch.device:
     """One model per process: ``cuda:LOCAL_RANK`` when there is a GPU, else the CPU."""
     return torch.device(f"cuda:{shard.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _embedded(spec: ModelSpec) -> bool:
+    from kvcompress.models import DEFAULT_ALIAS, model_names
+
+    return spec.path in (DEFAULT_ALIAS, *model_names())
+
+
+def computed_dtype(spec: ModelSpec, shard: Shard) -> str:
+    """The dtype the model computes in, known before it loads: ``auto`` of an embedded model is the machine's
+    (``kvcompress.models.default_dtype``); elsewhere the config's value (``auto``: the checkpoint's own)."""
+    if spec.dtype != "auto" or not _embedded(spec):
+        return spec.dtype
+    from kvcompress.models import default_dtype
+
+    return str(default_dtype(_device(shard))).removeprefix("torch.")
 
 
 def load_model(spec: ModelSpec, shard: Shard) -> tuple[Any, Any]:
@@ -23,12 +39,11 @@ def load_model(spec: ModelSpec, shard: Shard) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = spec.dtype if spec.dtype == "auto" else getattr(torch, spec.dtype)
-    from kvcompress.models import DEFAULT_ALIAS, default_dtype, model_names
-    from kvcompress.models import load_model as load_embedded
+    if _embedded(spec):  # an embedded model, by name
+        from kvcompress.models import load_model as load_embedded
 
-    if spec.path in (DEFAULT_ALIAS, *model_names()):  # an embedded model, by name
         model, tokenizer = load_embedded(
-            spec.path, dtype=default_dtype(_device(shard)) if dtype == "auto" else dtype,
+            spec.path, dtype=getattr(torch, computed_dtype(spec, shard)),
             attn_implementation=spec.attn_implementation,
         )
     else:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from .experiment import CompressionSetting, ConfigError, Experiment, pipeline_record
 from .generation import generate
 from .layout import OutputLayout
-from .modeling import load_model
+from .modeling import computed_dtype, load_model
 from .predictions import PredictionWriter, merge, read_predictions
 from .sharding import Shard, wait_for_samples
 
@@ -114,13 +114,15 @@ def _finalise_task(experiment: Experiment, setting: str, task: str, order: Seque
         path.unlink()
 
 
-def _check_pipeline(experiment: Experiment, setting: CompressionSetting) -> None:
-    """Records the pipeline on first use; refuses to resume predictions that a different pipeline started."""
+def _check_pipeline(experiment: Experiment, setting: CompressionSetting, dtype: str) -> None:
+    """Records the pipeline on first use; refuses to resume predictions that a different pipeline started (a key
+    an earlier version did not record is not compared)."""
     path = OutputLayout(experiment.output_dir, experiment.benchmark).pipeline_file(setting.name)
-    record = pipeline_record(experiment, setting)
+    record = pipeline_record(experiment, setting, dtype)
     if path.exists():
         previous = json.loads(path.read_text(encoding="utf-8"))["generation"]
-        changed = sorted(key for key in record["generation"] if previous.get(key) != record["generation"][key])
+        changed = sorted(key for key, value in record["generation"].items()
+                         if key in previous and previous[key] != value)
         if changed:
             raise ConfigError(
                 f"{path}: the predictions in {path.parent} were made with different {changed}; resuming would mix "
@@ -135,8 +137,9 @@ def _check_pipeline(experiment: Experiment, setting: CompressionSetting) -> None
 
 def predict_experiment(experiment: Experiment, settings: Sequence[CompressionSetting], shard: Shard) -> None:
     """Predicts every (setting, task) pair on this rank; rank 0 then merges all ranks' files."""
+    dtype = computed_dtype(experiment.model, shard)
     for setting in settings:
-        _check_pipeline(experiment, setting)
+        _check_pipeline(experiment, setting, dtype)
     benchmark = experiment.benchmark
     records = {}
     for task in experiment.tasks:

@@ -147,7 +147,8 @@ def _markdown(summary: dict[str, Any], experiment: Experiment) -> str:
     if pipeline:
         new_tokens = pipeline["max_new_tokens"] or "the benchmark's per task"
         lines.append(
-            f"Pipeline: model `{pipeline['model']}` ({pipeline['dtype']}, {pipeline['attn_implementation']}), chat "
+            f"Pipeline: model `{pipeline['model']}` ({pipeline.get('computed_dtype') or pipeline['dtype']}, "
+            f"{pipeline['attn_implementation']}), chat "
             f"template {'on' if pipeline['chat_template'] else 'off'}, max_new_tokens {new_tokens}; limit "
             f"{summary['limit'] or 'none'} per task."
         )

@@ -183,6 +183,21 @@ def test_a_chunk_as_long_as_the_prompt_answers_as_the_one_shot_prefill(tmp_path,
         assert [line["kv_bytes"] for line in one_chunk] == [line["kv_bytes"] for line in one_shot]
 
 
+def test_predictions_made_in_another_dtype_are_not_resumed(tmp_path, make_ruler_config, capsys):
+    config = make_ruler_config(tmp_path, tasks=["niah_single_1"], compression=["none"], limit=2)
+    assert main(["predict", str(config)]) == 0
+    pipeline = tmp_path / "out" / "full" / "pipeline.json"
+    record = json.loads(pipeline.read_text())
+    assert record["generation"]["computed_dtype"] == "float32"
+    record["generation"]["computed_dtype"] = "bfloat16"  # as a machine with native bfloat16 would have made them
+    pipeline.write_text(json.dumps(record))
+    assert main(["predict", str(config)]) == 2
+    assert "were made with different ['computed_dtype']" in capsys.readouterr().err
+    del record["generation"]["computed_dtype"]  # a run of an earlier version, which did not record it
+    pipeline.write_text(json.dumps(record))
+    assert main(["predict", str(config)]) == 0
+
+
 def test_config_errors_name_the_key(tmp_path, make_ruler_config, capsys):
     assert main(["evaluate", str(make_ruler_config(tmp_path, protocol="question_first"))]) == 2
     assert "protocol: must be one of ['query_aware', 'context_first']" in capsys.readouterr().err
