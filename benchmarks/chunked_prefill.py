@@ -39,7 +39,7 @@ def _context(tokenizer, length: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure_one(model_name: str, method: str, budget: float, length: int, mode: str, threads: int) -> dict:
+def measure_one(model_name: str, method: str, budget: int | float, length: int, mode: str, threads: int) -> dict:
     """One prefill in this process: its peak memory above the loaded model, its seconds, the cache's bytes."""
     from kvcompress import compress
     from kvcompress.cache import full_cache_bytes, kv_cache_bytes
@@ -84,7 +84,8 @@ def markdown(rows: list[dict], args: argparse.Namespace, argv: list[str]) -> str
     lines = [
         "# Compressed prefill: one-shot against chunked, peak memory as the context grows", "",
         f"Command: `python benchmarks/chunked_prefill.py {' '.join(argv)}`", "",
-        f"Model `{args.model}` ({rows[0].get('dtype', '')}), {args.method} keeping {args.budget:g} of the context, "
+        f"Model `{args.model}` ({rows[0]['dtype']}), {args.method} keeping "
+        f"{f'{args.budget:g} of the context' if isinstance(args.budget, float) else f'{args.budget} slots per layer'}, "
         f"{args.threads} thread(s), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}. Each row is a fresh "
         "process; peak = the prefill's high-water mark above the loaded model; × = against the uncompressed "
         "prefill of the same length (`full`).", "",
@@ -100,11 +101,16 @@ def markdown(rows: list[dict], args: argparse.Namespace, argv: list[str]) -> str
     return "\n".join(lines) + "\n"
 
 
+def _budget(text: str) -> int | float:
+    return float(text) if "." in text else int(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default", help="an embedded model (kvcompress.models.model_names())")
     parser.add_argument("--method", default="kvzip")
-    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--budget", type=_budget, default=0.2,
+                        help="a share of the context (0.2), or slots per layer (1024): flat as the context grows")
     parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192])
     parser.add_argument("--chunk-sizes", nargs="+", type=int, default=[1024])
     parser.add_argument("--threads", type=int, default=1)
