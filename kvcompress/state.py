@@ -157,20 +157,23 @@ class LayerState:
             rope_positions, true_positions, new_valid = (per_new_slot(tensor, self.folded_heads)
                                                          for tensor in (rope_positions, true_positions, new_valid))
         old = self._length
-        new = old + rope_positions.shape[-1]
+        added = rope_positions.shape[-1]
+        new = old + added
         self._reserve(new)
         buffers = self._buffers
+        # narrow + copy_ rather than slice assignment: the same writes, without parsing an index in every layer of
+        # every decode step
         if step_head_scores is not None:  # the slots past ``old`` are zero: this combines and appends at once
-            _combine(buffers["head_scores"][..., :new], step_head_scores, combine)
+            _combine(buffers["head_scores"].narrow(-1, 0, new), step_head_scores, combine)
         if step_counts is not None:
-            buffers["counts"][..., :new] += _like(buffers["counts"], step_counts)
-        buffers["rope_positions"][..., old:new] = _like(buffers["rope_positions"], rope_positions)
-        buffers["true_positions"][..., old:new] = _like(buffers["true_positions"], true_positions)
-        buffers["slot_valid"][..., old:new] = new_valid
+            buffers["counts"].narrow(-1, 0, new).add_(_like(buffers["counts"], step_counts))
+        buffers["rope_positions"].narrow(-1, old, added).copy_(_like(buffers["rope_positions"], rope_positions))
+        buffers["true_positions"].narrow(-1, old, added).copy_(_like(buffers["true_positions"], true_positions))
+        buffers["slot_valid"].narrow(-1, old, added).copy_(new_valid)
         if value_norms is not None:
             if buffers["value_norms"] is None:
                 buffers["value_norms"] = self._allocate_like(value_norms, self._capacity)
-            buffers["value_norms"][..., old:new] = value_norms
+            buffers["value_norms"].narrow(-1, old, added).copy_(value_norms)
         if self.folded_heads is not None:
             buffers["slot_head"][..., old:new] = folded_head_of_new(
                 self.folded_heads, (new - old) // self.folded_heads, new_valid.shape[0], new_valid.device)

@@ -78,7 +78,9 @@ def supports(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) ->
     """The kernel handles CPU tensors in float32 and bfloat16 (``input_dtype``), float16 through float32 copies
     of one layer's queries, keys and values (the torch implementation it replaces computes in float32 too, chunk
     by chunk, slower and with more memory); anything else takes the torch implementation."""
-    return all(t.device.type == "cpu" and t.dtype in _DTYPES for t in (queries, keys, values))
+    # is_cpu rather than device.type: asked in every layer of every decode step, and it builds no device object
+    return (queries.is_cpu and keys.is_cpu and values.is_cpu and queries.dtype in _DTYPES and keys.dtype in _DTYPES
+            and values.dtype in _DTYPES)
 
 
 def input_dtype(kernel: ModuleType, dtype: torch.dtype) -> torch.dtype:
