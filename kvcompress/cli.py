@@ -223,9 +223,9 @@ def _load(args: argparse.Namespace):
 
 
 def _prompt_ids(tokenizer, text: str) -> torch.Tensor:
-    """The user turn of the chat template; a base model (no template) reads the text as it is."""
+    """The user turn of the chat template; a base model (no template) continues the text after "Answer:"."""
     if tokenizer.chat_template is None:
-        return tokenizer(text, return_tensors="pt")["input_ids"]
+        return tokenizer(f"{text}\nAnswer:", return_tensors="pt")["input_ids"]
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)["input_ids"]
 
