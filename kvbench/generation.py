@@ -11,9 +11,9 @@ whole prompt but its last token, which then opens the answer (``query_aware``).
 
 The KV bytes are measured, not derived from the budget: ``kv_bytes`` is what the cache's key and value tensors
 hold once the prompt is compressed (for ``query_aware`` at the end of generation, decoded tokens included, unless
-it was prefilled in chunks), and
-``full_kv_bytes`` what the uncompressed cache holds for the same tokens (each compressed layer's bytes per slot
-times the tokens it has seen; layers kvcompress does not compress, such as sliding windows, count as they are).
+it was prefilled in chunks), and ``full_kv_bytes`` what the uncompressed cache holds for the same tokens (each
+compressed layer's bytes per slot times the tokens it has seen; layers kvcompress does not compress, such as
+sliding windows, count as they are).
 """
 
 from __future__ import annotations

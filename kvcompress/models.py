@@ -9,7 +9,6 @@ it once into a plain ``save_pretrained`` folder under the user's cache; every la
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
@@ -18,15 +17,14 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
-    "DEFAULT_MODEL", "EmbeddedModel", "ModelUnavailableError", "converted_model_dir", "default_dtype",
-    "embedded_model", "load_default_model", "load_model", "model_names",
+    "DEFAULT_MODEL", "EmbeddedModel", "ModelUnavailableError", "converted_model", "converted_model_dir",
+    "default_dtype", "embedded_model", "load_default_model", "load_model", "model_names",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,18 +73,15 @@ class EmbeddedModel:
             )
         return list(spec.submodule_search_locations)
 
-    @contextlib.contextmanager
-    def gguf_file(self, scratch: Path) -> Iterator[Path]:
+    def gguf_file(self, scratch: Path) -> Path:
         """The GGUF file, found in the installed package or assembled under ``scratch`` from its parts."""
         locations = self.package_locations()
         if self.assembled:
-            yield importlib.import_module(self.package).assemble(scratch / self.gguf_name)
-            return
+            return importlib.import_module(self.package).assemble(scratch / self.gguf_name)
         for location in locations:
             candidate = Path(location) / self.gguf_name
             if candidate.is_file():
-                yield candidate
-                return
+                return candidate
         raise ModelUnavailableError(
             f"'{self.distribution}' is installed but {self.gguf_name} is missing from it; reinstall it with:\n"
             f"    {self.install_hint}"
@@ -139,6 +134,16 @@ def converted_model_dir(name: str = DEFAULT_ALIAS) -> Path:
     return embedded_model(name).converted_dir()
 
 
+def converted_model(name: str = DEFAULT_ALIAS) -> Path:
+    """``name``'s converted ``save_pretrained`` folder, converted from the packaged GGUF on first use (what reads
+    only its tokenizer, such as RULER's generator, needs no model loaded)."""
+    spec = embedded_model(name)
+    target = spec.converted_dir()
+    if not (target / "config.json").is_file():
+        _convert(spec, target)
+    return target
+
+
 def _convert(spec: EmbeddedModel, target: Path) -> None:
     """Dequantises the GGUF into a float32 ``save_pretrained`` folder, published atomically.
 
@@ -159,15 +164,15 @@ def _convert(spec: EmbeddedModel, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        with spec.gguf_file(staging) as gguf_path:
-            logger.info("Converting %s once into %s (later loads read the converted copy)", gguf_path.name, target)
-            folder, name = str(gguf_path.parent), gguf_path.name
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            config = AutoConfig.from_pretrained(folder, gguf_file=name)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
-            if spec.assembled:
-                gguf_path.unlink()  # only the converted copy is kept
+        gguf_path = spec.gguf_file(staging)
+        logger.info("Converting %s once into %s (later loads read the converted copy)", gguf_path.name, target)
+        folder, name = str(gguf_path.parent), gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+        if spec.assembled:
+            gguf_path.unlink()  # an assembled copy in the staging folder: free its disk before writing the model
         missing, unexpected = model.load_state_dict(tensors, strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the embeddings
             raise RuntimeError(
@@ -230,10 +235,7 @@ def load_model(
     ``dtype`` defaults to ``default_dtype()``: bfloat16 where the CPU computes it natively, float32 elsewhere.
     The first call converts the packaged GGUF (tens of seconds); later calls load the cached copy in seconds.
     """
-    spec = embedded_model(name)
-    target = spec.converted_dir()
-    if not (target / "config.json").is_file():
-        _convert(spec, target)
+    target = converted_model(name)
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         target, dtype=default_dtype() if dtype is None else dtype, attn_implementation=attn_implementation,

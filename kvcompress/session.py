@@ -145,12 +145,14 @@ class CompressionSession:
                                        or chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive integer (tokens per forward) or None, got {chunk_size!r}")
         length = input_ids.shape[-1]
-        chunk_size = chunk_size or length
+        chunk_size = chunk_size or max(length, 1)
+        # an empty context still goes through the model once, whose hook names the problem
+        ends = range(length % chunk_size or chunk_size, length + 1, chunk_size) if length else [0]
         positions = positions_from_mask(mask)
         cache = DynamicCache(config=self.model.config)
         self.budget.whole_prompt = mask.bool()
         try:
-            for end in range(length % chunk_size or chunk_size, length + 1, chunk_size):
+            for end in ends:
                 start = max(0, end - chunk_size)
                 self.model(input_ids=input_ids[:, start:end], attention_mask=mask[:, :end],
                            position_ids=positions[:, start:end], cache=cache, use_cache=True, logits_to_keep=1)

@@ -175,8 +175,8 @@ class LayerState:
                 buffers["value_norms"] = self._allocate_like(value_norms, self._capacity)
             buffers["value_norms"].narrow(-1, old, added).copy_(value_norms)
         if self.folded_heads is not None:
-            buffers["slot_head"][..., old:new] = folded_head_of_new(
-                self.folded_heads, (new - old) // self.folded_heads, new_valid.shape[0], new_valid.device)
+            buffers["slot_head"].narrow(-1, old, added).copy_(folded_head_of_new(
+                self.folded_heads, added // self.folded_heads, new_valid.shape[0], new_valid.device))
         self._length = new
 
     def merge(self, scores: torch.Tensor, combine: str) -> None:

@@ -201,13 +201,10 @@ def punkt_data_dir(cache_dir: Path) -> Path:
 def resolve_tokenizer(tokenizer: str) -> str:
     """``default`` or an embedded model's name becomes that model's converted folder (converted on first use);
     other values (a folder or a hub name) pass through, a folder made absolute."""
-    from kvcompress.models import converted_model_dir, load_model, model_names
+    from kvcompress.models import converted_model, model_names
 
     if tokenizer in (DEFAULT_TOKENIZER, *model_names()):
-        folder = converted_model_dir(tokenizer)
-        if not (folder / "config.json").is_file():
-            load_model(tokenizer)  # converts the packaged GGUF once (atomic, safe alongside another conversion)
-        return str(folder)
+        return str(converted_model(tokenizer))  # converted once (atomic, safe alongside another conversion)
     path = Path(tokenizer).expanduser()
     return str(path.resolve()) if path.is_dir() else tokenizer
 
@@ -301,10 +298,11 @@ def generate(
     cached = entry.is_file()
     if not cached:
         task_config(task)  # an unknown task fails here, before a subprocess starts
-        if timed_out.is_file() and timeout is not None and float(timed_out.read_text()) >= timeout:
+        waited = float(timed_out.read_text()) if timed_out.is_file() else None
+        if waited is not None and timeout is not None and waited >= timeout:
             raise GenerationTimeout(
-                f"RULER's {task} generator did not finish within {float(timed_out.read_text()):.0f} s at {length} "
-                f"tokens in an earlier run (delete {timed_out} to try again)"
+                f"RULER's {task} generator did not finish within {waited:.0f} s at {length} tokens in an earlier run "
+                f"(delete {timed_out} to try again)"
             )
         cache.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{task}_{length}.", dir=cache))

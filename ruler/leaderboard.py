@@ -107,9 +107,9 @@ def _plot(runs: Sequence[Run], tasks: Sequence[str], full_mean: float | None, pa
     for run in runs:
         style = "--" if run.library != "kvcompress" else "-"
         for method in dict.fromkeys(_method(s) for s in run.settings if s["budget"] is not None):
-            points = sorted((s["kv_ratio"], _mean(s, tasks)[0]) for s in run.settings
-                            if _method(s) == method and s["budget"] is not None and s.get("kv_ratio") is not None
-                            and _mean(s, tasks)[0] is not None)
+            measured = [(s["kv_ratio"], _mean(s, tasks)[0]) for s in run.settings
+                        if _method(s) == method and s["budget"] is not None and s.get("kv_ratio") is not None]
+            points = sorted((kv, mean) for kv, mean in measured if mean is not None)
             if points:
                 label = f"{method} ({run.library}, {run.protocol})" if distinct else method
                 axes.plot(*zip(*points), style, marker="o", label=label)

@@ -114,6 +114,14 @@ def test_a_left_padded_batch_keeps_what_each_sequence_keeps_alone(method):
         assert [layer[row] for layer in batch] == [layer[0] for layer in alone], row
 
 
+@pytest.mark.parametrize("chunk_size", [None, 64])
+def test_an_empty_context_is_refused_as_in_one_shot(chunk_size):
+    model = tiny_model("llama")
+    with KVCacheCompressor(scorer_parameters("snapkv", **SIZES))(model) as session:
+        with pytest.raises(ValueError, match="the input has no tokens"):
+            session.prefill(random_tokens(0), chunk_size=chunk_size)
+
+
 @pytest.mark.parametrize("chunk_size", [0, -4, 2.5, True])
 def test_a_bad_chunk_size_names_the_parameter(chunk_size):
     model = tiny_model("llama")
