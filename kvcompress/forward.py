@@ -58,6 +58,8 @@ class Forward:
     attended: int = 0  # compressed layers that ran this attention call
     due: list[tuple[nn.Module, CompressedLayer]] = dataclasses.field(default_factory=list)  # evict at the end
     reconstruct_due: bool = False  # the scorer's reconstruction passes run before the due evictions
+    # layer index -> its attention module's input hidden states (B, q, D), for scorers that read them
+    hidden_states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     _observation: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = dataclasses.field(
         default_factory=dict)
 
@@ -87,6 +89,7 @@ class Forward:
                 f"{state.length}; the cache was modified outside the compressor"
             )
         self.attended += 1
+        hidden_states = self.hidden_states.pop(module.layer_idx, None)  # read once: a long prompt's are large
         head_scores = None
         layout, all_live = self._layer_layout(state)
         scaling = kwargs.get("scaling") or module.scaling
@@ -101,6 +104,7 @@ class Forward:
                 # the caller may want the original's weights (output_attentions) or its dropout
                 may_fuse=not kwargs.get("dropout") and not kwargs.get("output_attentions"),
                 positions=self.positions, replay=self.replay,
+                hidden_states=hidden_states,
             )
             head_scores, output = self.scorer.attend(call, state)
         if not self.replay:  # a reconstruction pass is timed as a whole ("reconstruction")

@@ -90,6 +90,9 @@ class CompressionSession:
             )
             self._handles.append(layout.decoder.register_forward_hook(self._after_decoder, with_kwargs=True))
             compressed = [layout.attention_modules[i] for i in layout.compressed_layers]
+            if self.scorer.reads_hidden_states:
+                self._handles.extend(module.register_forward_pre_hook(self._before_attention, with_kwargs=True)
+                                     for module in compressed)
             self._restore_attention = install_attention_function(compressed, self._attend)
         except BaseException:
             self._detach()
@@ -321,6 +324,12 @@ class CompressionSession:
         self.timings["reconstruction"] += time.perf_counter() - started
 
     # ------------------------------------------------------------------ attention call
+    def _before_attention(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Keep a compressed layer's input hidden states for its attention call (scorers that read them)."""
+        if self._forward is not None:
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            self._forward.hidden_states[module.layer_idx] = hidden
+
     def _attend(self, module, query, key, value, attention_mask, original, **kwargs):
         """The module's attention call (``attention_function``): the forward in flight's (``Forward.attend``), or
         the original function outside one."""

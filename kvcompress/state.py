@@ -149,9 +149,10 @@ class LayerState:
         """Add one forward's observations: old slots combine with them, new slots are appended.
 
         ``step_head_scores`` (B, H_kv, T') and ``step_counts`` (B, T') cover the old slots and the new ones
-        (T' = length + q); positions, validity and value norms (B, q) cover the new slots only. Scores and counts may be
+        (T' = length + q), or the new slots only (B, H_kv, q) when ``combine="once"``; positions, validity and
+        value norms (B, q) cover the new slots only. Scores and counts may be
         None when nothing reads them (no scored area, or a method that scores at eviction): the new slots then
-        start at zero without any work. ``combine`` is the scorer's (``add``, ``max`` or ``replace``).
+        start at zero without any work. ``combine`` is the scorer's (``add``, ``max``, ``replace`` or ``once``).
         """
         if self.folded_heads is not None:  # one slot per head and token, token-major (ragged.fold_new_tokens)
             rope_positions, true_positions, new_valid = (per_new_slot(tensor, self.folded_heads)
@@ -163,7 +164,9 @@ class LayerState:
         buffers = self._buffers
         # narrow + copy_ rather than slice assignment: the same writes, without parsing an index in every layer of
         # every decode step
-        if step_head_scores is not None:  # the slots past ``old`` are zero: this combines and appends at once
+        if step_head_scores is not None and combine == "once":  # scores of the new slots only
+            buffers["head_scores"].narrow(-1, old, added).copy_(step_head_scores)
+        elif step_head_scores is not None:  # the slots past ``old`` are zero: this combines and appends at once
             _combine(buffers["head_scores"].narrow(-1, 0, new), step_head_scores, combine)
         if step_counts is not None:
             buffers["counts"].narrow(-1, 0, new).add_(_like(buffers["counts"], step_counts))

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 import transformers
 
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from kvcompress.adapters import inspect_model
 from kvcompress.scoring.registry import scorer_class
+from kvcompress.surrogate import Surrogate, model_fingerprint
 
 torch.set_num_threads(1)
 
@@ -74,11 +79,31 @@ class TinyTokenizer:
         return [3 + ord(character) % (_COMMON["vocab_size"] - 3) for character in text]
 
 
-def scorer_parameters(method: str, **sizes) -> KVCacheCompressionParameters:
-    """Parameters for ``method`` with a window only where the method observes one."""
+def scorer_parameters(method: str, arch: str = "llama", **sizes) -> KVCacheCompressionParameters:
+    """Parameters for ``method`` with a window only where the method observes one; KVzap's weights are random
+    ones made for ``tiny_model(arch)`` (the suite checks the mechanics; the shipped weights' quality is measured
+    on the real models)."""
 
     window = 8 if scorer_class(method).uses_window else None
+    if method == "kvzap":
+        sizes["scorer_options"] = {"weights": str(random_kvzap_weights(arch)), **sizes.get("scorer_options", {})}
     return KVCacheCompressionParameters(method=method, window_size=window, **sizes)
+
+
+@functools.lru_cache(maxsize=None)
+def random_kvzap_weights(arch: str = "llama") -> Path:
+    """A KVzap surrogate file with random weights for ``tiny_model(arch)``, written once per test process."""
+    model = tiny_model(arch)
+    generator = torch.Generator().manual_seed(7)
+    config = model.config.get_text_config()
+    layers = inspect_model(model).compressed_layers
+    surrogate = Surrogate(
+        model_name=f"tiny-{arch}", fingerprint=model_fingerprint(model),
+        weights={layer: torch.randn(config.num_key_value_heads, config.hidden_size, generator=generator)
+                 for layer in layers},
+        biases={layer: torch.randn(config.num_key_value_heads, generator=generator) for layer in layers},
+    )
+    return surrogate.save(Path(tempfile.mkdtemp(prefix="kvzap-")) / f"tiny-{arch}.safetensors")
 
 
 BATCH_LENGTHS = (90, 61, 120, 37)  # the last one fits in the budget at first: it must evict on its own schedule

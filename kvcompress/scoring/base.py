@@ -10,8 +10,10 @@ A scorer answers two questions for one compressed layer:
 Its class attributes declare the rest, so the session never compares method names:
 
 * ``combine``: how a forward's scores meet the slots' earlier ones: ``"add"`` (accumulated attention, H2O /
-  SnapKV, where ``score_aggregation`` applies), ``"max"`` (the most attention a slot ever received, KVzip) or
-  ``"replace"`` (only the newest observation counts, TOVA);
+  SnapKV, where ``score_aggregation`` applies), ``"max"`` (the most attention a slot ever received, KVzip),
+  ``"replace"`` (only the newest observation counts, TOVA) or ``"once"`` (a slot is scored when it arrives and
+  keeps that score: ``attend`` returns the new slots' scores only, KVzap);
+* ``reads_hidden_states``: the session hands each attention call the layer's input hidden states (KVzap);
 * ``uses_window``: ``window_size`` and ``snapkv_kernel_size`` apply;
 * ``reconstructs``: after a prompt the session runs the scorer's context-reconstruction passes before it evicts
   (KVzip); the prompt's own forward then evicts nothing;
@@ -49,6 +51,7 @@ class AttentionCall:
     may_fuse: bool  # the caller accepts an output computed here (no dropout, no returned weights)
     positions: torch.Tensor  # (B, q) int64: the RoPE positions the queries were rotated to
     replay: bool = False  # a context-reconstruction pass (KVzip), not part of the sequence
+    hidden_states: torch.Tensor | None = None  # (B, q, D): the attention module's input, for reads_hidden_states
 
     @property
     def length(self) -> int:
@@ -62,6 +65,7 @@ class Scorer:
     combine: ClassVar[str] = "replace"
     uses_window: ClassVar[bool] = False
     reconstructs: ClassVar[bool] = False
+    reads_hidden_states: ClassVar[bool] = False
     allocation: ClassVar[str] = "uniform"
     options: ClassVar[dict[str, Any]] = {}
     minimums: ClassVar[dict[str, float]] = {}
@@ -104,8 +108,9 @@ class Scorer:
         return 0
 
     def attend(self, call: AttentionCall, state: "LayerState") -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """This forward's scores over all T slots (B, H_kv, T) float32, or None, and the attention output
-        (B, q, H, d) if it was computed here (else the model's own attention function runs)."""
+        """This forward's scores over all T slots (B, H_kv, T) float32 (over its q new slots (B, H_kv, q) when
+        ``combine="once"``), or None, and the attention output (B, q, H, d) if it was computed here (else the
+        model's own attention function runs)."""
         return None, None
 
     def reconstruct(self, decoder: nn.Module, cache: Any, tokens: torch.Tensor, selected: torch.Tensor,

@@ -13,6 +13,7 @@ from .expected_attention import ExpectedAttention
 from .h2o import H2O
 from .keydiff import KeyDiff
 from .knorm import Knorm
+from .kvzap import KVzap
 from .kvzip import KVzip
 from .snapkv import SnapKV
 from .tova import TOVA
@@ -31,6 +32,6 @@ def register(scorer: type[Scorer]) -> type[Scorer]:
 
 __all__ = ["SCORERS", "register", "scorer_class"]
 
-for _builtin in (SnapKV, H2O, KVzip, ExpectedAttention, TOVA, KeyDiff, Knorm):
+for _builtin in (SnapKV, H2O, KVzip, KVzap, ExpectedAttention, TOVA, KeyDiff, Knorm):
     register(_builtin)
 del _builtin

@@ -14,7 +14,7 @@ PARAMS = KVCacheCompressionParameters(start_size=4, intermediate_size=16, recent
 @pytest.mark.parametrize("method", list(SCORERS))
 def test_full_layers_bounded_sliding_layers_untouched(arch, method):
     model = tiny_model(arch)
-    params = scorer_parameters(method, start_size=4, intermediate_size=16, recent_size=8)
+    params = scorer_parameters(method, arch, start_size=4, intermediate_size=16, recent_size=8)
     ids = random_tokens(100)
     with torch.no_grad():
         reference = model(ids, use_cache=True).past_key_values

@@ -5,7 +5,7 @@ import torch
 
 from kvcompress import compress, method_names, preset
 from kvcompress.presets import STREAMING_LLM_SINKS
-from tiny_models import TinyTokenizer, random_tokens, tiny_model
+from tiny_models import TinyTokenizer, random_kvzap_weights, random_tokens, tiny_model
 
 
 def test_slot_budget_is_the_preset():
@@ -34,7 +34,8 @@ def test_fraction_is_applied_to_each_prompt_of_a_batch():
 @pytest.mark.parametrize("method", [m for m in method_names() if m != "none"])
 def test_every_method_runs_from_its_name(method):
     model = tiny_model("llama")
-    with compress(model, method=method, budget=0.25, tokenizer=TinyTokenizer()) as session:
+    overrides = {"scorer_options": {"weights": str(random_kvzap_weights())}} if method == "kvzap" else {}
+    with compress(model, method=method, budget=0.25, tokenizer=TinyTokenizer(), **overrides) as session:
         model.generate(random_tokens(96), max_new_tokens=4, do_sample=False)
     assert sum(state.length for state in session.layers.values()) <= 2 * (24 + session.parameters.decode_slack)
 

@@ -1,0 +1,154 @@
+"""KVzap's learned surrogates: per compressed layer, a linear map from the layer's input hidden states to one
+log-score per KV head, predicting what KVzip's reconstruction would give each token (arXiv 2601.07891).
+
+A ``Surrogate`` is small (a few hundred kilobytes for the embedded models), so trained ones ship inside the package
+(``kvcompress/data/kvzap/``, one file per embedded model) and others are files the user trains
+(``kvcompress-train-scorer``). Weights only make sense for the model they were fitted to: each file records the
+model's fingerprint (its architecture's dimensions and the output projections of its first and last compressed
+layers, rounded to bfloat16 so that the same model loaded in float32 or bfloat16 matches) and a checksum of its own
+tensors; a file whose checksum fails, or whose fingerprint is not the model's, is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .adapters import inspect_model, text_config, value_projection_weight
+
+SHIPPED = Path(__file__).parent / "data" / "kvzap"  # the embedded models' trained surrogates: <model>.safetensors
+FORMAT = "kvcompress-kvzap-1"
+
+
+class SurrogateMismatchError(ValueError):
+    """Surrogate weights that do not belong to the model (or a damaged file)."""
+
+
+@dataclasses.dataclass
+class Surrogate:
+    """Per compressed layer: ``weights[layer]`` (H_kv, D) and ``biases[layer]`` (H_kv,), float32."""
+
+    model_name: str
+    fingerprint: str
+    weights: dict[int, torch.Tensor]
+    biases: dict[int, torch.Tensor]
+    fit: dict[str, object] = dataclasses.field(default_factory=dict)  # how it was trained (corpus, correlation)
+
+    def scores(self, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Predicted log-scores (B, H_kv, q) of the tokens whose layer-input hidden states are (B, q, D)."""
+        weight, bias = self.weights[layer], self.biases[layer]
+        if weight.device != hidden_states.device:  # moved once per device, then kept
+            self.weights = {index: tensor.to(hidden_states.device) for index, tensor in self.weights.items()}
+            self.biases = {index: tensor.to(hidden_states.device) for index, tensor in self.biases.items()}
+            weight, bias = self.weights[layer], self.biases[layer]
+        return torch.addmm(bias, hidden_states.reshape(-1, weight.shape[1]).float(), weight.t()).view(
+            hidden_states.shape[0], hidden_states.shape[1], -1).transpose(1, 2)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the weights with the model's name and fingerprint and a checksum of the tensors."""
+        tensors = {}
+        for layer in sorted(self.weights):
+            tensors[f"{layer}.weight"] = self.weights[layer].detach().float().cpu().contiguous()
+            tensors[f"{layer}.bias"] = self.biases[layer].detach().float().cpu().contiguous()
+        metadata = {"format": FORMAT, "model_name": self.model_name, "fingerprint": self.fingerprint,
+                    "checksum": _checksum(tensors), "fit": json.dumps(self.fit, sort_keys=True)}
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata=metadata)
+        return path
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse weights fitted to another model."""
+        found = model_fingerprint(model)
+        if found != self.fingerprint:
+            raise SurrogateMismatchError(
+                f"the KVzap weights were trained for {self.model_name!r} (fingerprint {self.fingerprint[:12]}), "
+                f"not for this {type(model).__name__} (fingerprint {found[:12]}); train weights for it with "
+                "kvcompress-train-scorer and pass scorer_options={'weights': path}"
+            )
+
+
+def load(path: str | Path) -> Surrogate:
+    """Read a surrogate file, refusing one that is not a surrogate or whose tensors fail their checksum."""
+    path = Path(path)
+    return _load(str(path.resolve()), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, modified: int) -> Surrogate:  # keyed by modification time: a retrained file is read again
+    with safe_open(path, framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        if metadata.get("format") != FORMAT:
+            raise SurrogateMismatchError(
+                f"{path} is not a kvcompress KVzap surrogate (format {metadata.get('format')!r})")
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    if _checksum(tensors) != metadata["checksum"]:
+        raise SurrogateMismatchError(f"{path}: the tensors do not match their recorded checksum (damaged file)")
+    layers = sorted({int(name.split(".")[0]) for name in tensors})
+    return Surrogate(
+        model_name=metadata["model_name"], fingerprint=metadata["fingerprint"],
+        weights={layer: tensors[f"{layer}.weight"] for layer in layers},
+        biases={layer: tensors[f"{layer}.bias"] for layer in layers}, fit=json.loads(metadata.get("fit", "{}")),
+    )
+
+
+def for_model(model: nn.Module, weights: str = "") -> Surrogate:
+    """The surrogate ``weights`` names for ``model``: a file path, an embedded model's name (its shipped weights),
+    or ``""``: the shipped weights whose fingerprint is this model's."""
+    if weights:
+        candidate = Path(weights)
+        is_file = candidate.suffix == ".safetensors" or candidate.exists()
+        path = candidate if is_file else SHIPPED / f"{weights}.safetensors"
+        if not path.exists():
+            raise ValueError(
+                f"scorer_options['weights'] must be a surrogate file or one of the shipped ones "
+                f"({', '.join(shipped_names()) or 'none'}), got {weights!r}"
+            )
+        surrogate = load(path)
+        surrogate.check_model(model)
+        return surrogate
+    found = model_fingerprint(model)
+    for path in sorted(SHIPPED.glob("*.safetensors")):
+        surrogate = load(path)
+        if surrogate.fingerprint == found:
+            return surrogate
+    raise ValueError(
+        f"method='kvzap' has no shipped weights for this {type(model).__name__} (shipped: "
+        f"{', '.join(shipped_names()) or 'none'}); train them with `kvcompress-train-scorer --out DIR` (or "
+        "kvcompress.train_scorer.train_surrogate) and pass scorer_options={'weights': path}"
+    )
+
+
+def shipped_names() -> list[str]:
+    return sorted(path.stem for path in SHIPPED.glob("*.safetensors"))
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """What identifies a model's weights cheaply: its dimensions and the output projections of its first and last
+    compressed layers, in bfloat16 (the same for a float32 and a bfloat16 load of one checkpoint)."""
+    config = text_config(model)
+    layout = inspect_model(model)
+    digest = hashlib.sha256()
+    dimensions = [getattr(config, name, None) for name in
+                  ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")]
+    digest.update(json.dumps(dimensions).encode())
+    for index in sorted({*layout.compressed_layers[:1], *layout.compressed_layers[-1:]}):
+        weight = value_projection_weight(layout.attention_modules[index]).detach()
+        digest.update(weight.to(device="cpu", dtype=torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].float().contiguous().view(torch.int32).numpy().tobytes())
+    return digest.hexdigest()

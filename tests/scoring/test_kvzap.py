@@ -1,0 +1,122 @@
+"""KVzap: scores against an independent reference, eviction by them, weight files refused when they do not fit, and
+the training's pieces against float64 definitions.
+
+The reference score of a token is its surrogate applied to the layer's input hidden states computed outside any
+session: the decoder's residual stream (``output_hidden_states``) through the layer's own ``input_layernorm``.
+"""
+
+import pytest
+import torch
+
+from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from kvcompress import surrogate as surrogates
+from kvcompress.train_scorer import _RidgeSums, fit_report, spearman, train_surrogate
+from tiny_models import TinyTokenizer, random_kvzap_weights, random_tokens, scorer_parameters, tiny_model
+
+PROMPT, DECODE_STEPS = 60, 4
+
+
+def _reference_scores(model, ids, arch="llama"):
+    """Per compressed layer, the surrogate's log-scores (H_kv, T) of every token of ``ids``, computed without kvzap."""
+    surrogate = surrogates.load(random_kvzap_weights(arch))
+    with torch.no_grad():
+        residual = model(ids, output_hidden_states=True).hidden_states
+    layers = model.model.layers
+    return {index: (layers[index].input_layernorm(residual[index])[0].double()
+                    @ surrogate.weights[index].double().t() + surrogate.biases[index].double()).t()
+            for index in surrogate.weights}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prompt_and_decoded_tokens_are_scored_by_their_own_hidden_states(arch):
+    """Nothing is evicted (budget above the length): every slot's score is its token's reference score, for the
+    prompt's tokens (one forward) and for each decoded token (scored once, when it arrives)."""
+    model = tiny_model(arch)
+    params = scorer_parameters("kvzap", arch, start_size=4, intermediate_size=200, recent_size=8)
+    ids = random_tokens(PROMPT)
+    with KVCacheCompressor(params)(model):
+        out = model.generate(ids, max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS, do_sample=False,
+                             return_dict_in_generate=True)
+    reference = _reference_scores(model, out.sequences[:, :-1], arch)  # the last token never entered the cache
+    for index in reference:
+        state = out.past_key_values.layers[index].state
+        assert state.length == PROMPT + DECODE_STEPS - 1
+        # kept on KVzip's scale: the predicted score, not its log
+        torch.testing.assert_close(state.head_scores[0].double(), reference[index].exp(), rtol=1e-5, atol=1e-7)
+
+
+def test_eviction_keeps_each_heads_highest_predicted_scores():
+    """With per-head selection and a uniform budget, each KV head's scored area holds its top reference scores."""
+    model = tiny_model("llama")
+    params = scorer_parameters("kvzap", start_size=4, intermediate_size=16, recent_size=8, head_selection="per_head")
+    ids = random_tokens(PROMPT)
+    reference = _reference_scores(model, ids)
+    with KVCacheCompressor(params)(model) as session, torch.no_grad():
+        model(ids, use_cache=True)
+    for index, state in session.layers.items():
+        for head in range(reference[index].shape[0]):
+            kept = set(state.true_positions[0, head].tolist())
+            middle = reference[index][head, 4 : PROMPT - 8]
+            expected = {4 + position for position in middle.topk(16).indices.tolist()}
+            assert kept == set(range(4)) | expected | set(range(PROMPT - 8, PROMPT))
+
+
+def test_weight_files_that_do_not_fit_are_refused(tmp_path):
+    model = tiny_model("llama")
+    path = random_kvzap_weights("llama")
+    with pytest.raises(surrogates.SurrogateMismatchError, match="trained for 'tiny-llama'"):
+        surrogates.for_model(tiny_model("llama", seed=1), str(path))  # the same architecture, other weights
+    damaged = tmp_path / "damaged.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-4:] = bytes(4 * [0x41])
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(surrogates.SurrogateMismatchError, match="checksum"):
+        surrogates.load(damaged)
+    with pytest.raises(ValueError, match=r"scorer_options\['weights'\] must be a surrogate file or one of the shipped"):
+        surrogates.for_model(model, "no-such-model")
+    with pytest.raises(ValueError, match="no shipped weights for this LlamaForCausalLM"):
+        with KVCacheCompressor(KVCacheCompressionParameters(method="kvzap"))(model):
+            pass
+    assert surrogates.for_model(model, str(path)).fingerprint == surrogates.model_fingerprint(model)
+
+
+def test_fingerprint_is_the_same_in_float32_and_bfloat16():
+    assert (surrogates.model_fingerprint(tiny_model("llama"))
+            == surrogates.model_fingerprint(tiny_model("llama", dtype=torch.bfloat16)))
+
+
+def test_ridge_solution_matches_float64_least_squares_and_spearman_its_definition():
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(500, 6, generator=generator, dtype=torch.float64) * torch.tensor([1, 10, 0.1, 1, 5, 2.0])
+    targets = features @ torch.randn(6, 2, generator=generator, dtype=torch.float64) + 3.0
+    targets += 0.01 * torch.randn(500, 2, generator=generator, dtype=torch.float64)
+    sums = _RidgeSums(6, 2)
+    for rows in (slice(0, 200), slice(200, 500)):  # accumulated in pieces, as context by context
+        sums.add(features[rows], targets[rows])
+    weight, bias = sums.solve(1e-9)
+    design = torch.cat([features, torch.ones(500, 1, dtype=torch.float64)], 1)
+    solution = torch.linalg.lstsq(design, targets).solution
+    torch.testing.assert_close(weight.double(), solution[:6].t(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(bias.double(), solution[6], rtol=1e-4, atol=1e-4)
+    x = torch.tensor([[1.0], [2.0], [3.0], [4.0], [5.0]])
+    assert spearman(x, x).item() == pytest.approx(1.0)
+    assert spearman(x, -x).item() == pytest.approx(-1.0)
+    # ranks 1..5 against 2,1,4,3,5: 1 - 6·Σd²/(n(n²-1)) = 1 - 6·4/120
+    assert spearman(x, torch.tensor([[2.0], [1.0], [4.0], [3.0], [5.0]])).item() == pytest.approx(0.8)
+
+
+def test_training_on_a_tiny_model_gives_weights_that_load_for_it(tmp_path):
+    """The whole training path (KVzip's recorded scores, ridge, held-out fit) on the tiny model's corpus contexts;
+    the weights load for that model and a session runs with them."""
+    model = tiny_model("llama")
+    trained = train_surrogate(model, TinyTokenizer(), "tiny-llama", context_tokens=96, max_contexts=4,
+                              held_out=0.25, log=lambda line: None)
+    assert trained.fit["training_contexts"] == 3 and trained.fit["held_out_contexts"] == 1
+    assert set(trained.fit["spearman"]) == {"0", "1"} and all(-1 <= v <= 1 for v in trained.fit["spearman"].values())
+    assert "| mean |" in fit_report(trained)
+    path = trained.save(tmp_path / "tiny.safetensors")
+    params = KVCacheCompressionParameters(method="kvzap", start_size=4, intermediate_size=16, recent_size=8,
+                                          scorer_options={"weights": str(path)})
+    with KVCacheCompressor(params)(model), torch.no_grad():
+        cache = model(random_tokens(PROMPT), use_cache=True).past_key_values
+    assert cache.layers[0].keys.shape[-2] == 28
