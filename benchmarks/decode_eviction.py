@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""Quality of eviction during long generations: the answer is asked for after many generated tokens.
+"""Quality of eviction during long generations: a chat whose question comes after a long answer.
 
-Each RULER record (single needles, the runner's records) is prefilled whole (context and question, the query-aware
-protocol) and compressed to ``--budget`` of its tokens; then ``--preamble`` tokens of an unrelated text are forced
-one at a time as the assistant's turn (what a reasoning trace or a long answer does to the cache: every one is a
-decode step), then the record's answer prefix, and the answer is generated greedily and scored with RULER's
-metric. Methods that evict during decoding keep the cache at its budget throughout (KVzap scores each new token
-with its surrogate; SnapKV and H2O by the attention it receives); ``kvzip-prompt`` compresses the prompt with KVzip
-and then keeps every generated token (its reconstruction cannot score them), so its cache grows by the preamble.
+Each RULER record (single needles, the runner's records) becomes a two-turn chat: the user gives the record's
+context and asks for something unrelated ("tell me about the report you wrote"), the assistant's answer is
+``--preamble`` tokens of an unrelated text (kvcompress's demo report), then the user asks the record's question
+and the assistant's answer prefix follows. The first user turn is prefilled and compressed to ``--budget`` of its
+tokens; everything after it is forced one token at a time (what a reasoning trace or a long answer does to the
+cache: every token is a decode step), and the answer is generated greedily and scored with RULER's metric.
+Methods that evict during decoding keep the cache at its budget throughout (KVzap scores each new token with its
+surrogate; SnapKV and H2O by the attention it receives); ``kvzip-prompt`` compresses the prompt with KVzip and then
+keeps every generated token (its reconstruction cannot score them), so its cache grows by the forced tokens.
 The table gives records answered and the KV bytes at the answer against the full cache's.
 
 Resumable: every (method, record) is one line of ``<out>.jsonl``, skipped when present.
@@ -33,12 +35,12 @@ if str(ROOT) not in sys.path:
 from kvcompress import compress  # noqa: E402
 from kvcompress.cache import kv_cache_bytes  # noqa: E402
 from kvcompress.models import load_model  # noqa: E402
-from ruler.chat import chat_prompt  # noqa: E402
 from ruler.metrics import score_task  # noqa: E402
 from ruler.prompts import max_new_tokens, split_input  # noqa: E402
 
 RECORDS = ROOT / "results" / "ruler_runner_smollm2_2k" / "data"
 PREAMBLE = ROOT / "kvcompress" / "data" / "demo_report.txt"  # unrelated to the records' haystacks and needles
+FIRST_REQUEST = "\n\nBefore my question about the text above: write me a long business report."
 METHODS = {  # name -> (preset method, overrides)
     "kvzap": ("kvzap", {}),
     "kvzip-prompt": ("kvzip", {"compress_during_decoding": False}),
@@ -48,18 +50,22 @@ METHODS = {  # name -> (preset method, overrides)
 }
 
 
-def record_prompts(tokenizer, task: str, limit: int) -> list[tuple[str, list[int], str, list[str]]]:
-    """(id, prompt ids up to the assistant's turn, answer prefix, references) of the task's first ``limit``
-    records."""
+def record_prompts(tokenizer, task: str, limit: int,
+                   preamble: str) -> list[tuple[str, list[int], list[int], list[str]]]:
+    """(id, the first user turn's ids up to the assistant's reply, the ids forced after it, references) of the
+    task's first ``limit`` records."""
     path = next(RECORDS.glob(f"{task}_*/validation.jsonl"))
     prompts = []
     for line in path.read_text(encoding="utf-8").splitlines()[:limit]:
         record = json.loads(line)
         parts = split_input(task, record["input"])
-        prompt = chat_prompt(tokenizer, parts)
-        until_answer = prompt.text[: len(prompt.text) - len(parts.answer_prefix)]
-        ids = tokenizer.encode(until_answer, add_special_tokens=False)
-        prompts.append((f"{task}-{record['index']}", ids, parts.answer_prefix, record["outputs"]))
+        first = [{"role": "user", "content": parts.context + FIRST_REQUEST}]
+        chat = [*first, {"role": "assistant", "content": preamble}, {"role": "user", "content": parts.question.strip()}]
+        head = tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
+        whole = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(head, add_special_tokens=False)
+        forced = tokenizer.encode(whole[len(head):] + parts.answer_prefix.strip(), add_special_tokens=False)
+        prompts.append((f"{task}-{record['index']}", ids, forced, record["outputs"]))
     return prompts
 
 
@@ -94,13 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("default", dtype=torch.float32)
-    preamble = tokenizer.encode(PREAMBLE.read_text(encoding="utf-8"), add_special_tokens=False)[: args.preamble]
+    preamble_ids = tokenizer.encode(PREAMBLE.read_text(encoding="utf-8"), add_special_tokens=False)
+    preamble = tokenizer.decode(preamble_ids[: args.preamble])
     lines = args.out.with_suffix(".jsonl")
     done = {(row["method"], row["id"]) for row in map(json.loads, lines.read_text().splitlines())} \
         if lines.exists() else set()
     for task in args.tasks:
-        for record_id, ids, prefix, references in record_prompts(tokenizer, task, args.records):
-            forced = preamble + tokenizer.encode("\n\n" + prefix.strip(), add_special_tokens=False)
+        for record_id, ids, forced, references in record_prompts(tokenizer, task, args.records, preamble):
             for method in args.methods:
                 if (method, record_id) in done:
                     continue
@@ -136,9 +142,10 @@ def write_report(args, lines: Path) -> None:
         table.append(f"| {method} | {answered} / {len(mine)} | {shown} |")
     command = "python benchmarks/decode_eviction.py " + shlex.join(sys.argv[1:])
     text = (f"# Eviction during long generations (default model, float32)\n\nCommand: `{command}`\n\n"
-            f"RULER {', '.join(args.tasks)} at 2k ({args.records} records each), the whole prompt prefilled and "
-            f"compressed to {args.budget:.0%} of its tokens, then {args.preamble} forced tokens of an unrelated text "
-            "and the answer prefix, one decode step each, then the greedy answer.\n\n" + "\n".join(table) + "\n")
+            f"RULER {', '.join(args.tasks)} at 2k ({args.records} records each) as a chat: the context and an "
+            f"unrelated request prefilled and compressed to {args.budget:.0%} of its tokens, then {args.preamble} "
+            "tokens of an unrelated answer, the record's question as the next user turn and the answer prefix, "
+            "forced one decode step each, then the greedy answer.\n\n" + "\n".join(table) + "\n")
     args.out.with_suffix(".md").write_text(text)
     print(text)
 

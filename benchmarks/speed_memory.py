@@ -48,6 +48,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,7 +75,7 @@ from benchmarks.common import (  # noqa: E402
     synchronize,
     write_results,
 )
-from kvcompress import KVCacheCompressionParameters, KVCacheCompressor  # noqa: E402
+from kvcompress import KVCacheCompressionParameters, KVCacheCompressor, surrogate  # noqa: E402
 from kvcompress.budget import budget_slots  # noqa: E402
 from kvcompress.cache import kv_cache_bytes, kv_cache_length  # noqa: E402
 from kvcompress.presets import NONE, STREAMING_LLM, method_names, preset  # noqa: E402
@@ -103,10 +104,30 @@ def method_budget(budget: float, length: int, method: str) -> int:
     return max(budget_slots(budget if budget < 1 else int(budget), length) // group * group, 1)
 
 
-def method_parameters(method: str, budget: int) -> KVCacheCompressionParameters | None:
-    """A method of ``METHODS`` (a preset name, then a ``VARIANTS`` key) at ``budget`` slots."""
+def method_parameters(method: str, budget: int, model) -> KVCacheCompressionParameters | None:
+    """A method of ``METHODS`` (a preset name, then a ``VARIANTS`` key) at ``budget`` slots for ``model``."""
     name, _, variant = method.partition("-")
-    return preset(STREAMING_LLM if name == "streaming" else name, budget, **VARIANTS.get(variant, {}))
+    overrides = dict(VARIANTS.get(variant, {}))
+    if name == "kvzap":
+        overrides["scorer_options"] = {"weights": kvzap_weights(model)}
+    return preset(STREAMING_LLM if name == "streaming" else name, budget, **overrides)
+
+
+_KVZAP_WEIGHTS: dict[str, str] = {}  # model fingerprint -> surrogate file
+
+
+def kvzap_weights(model) -> str:
+    """KVzap's weights for ``model``: the shipped ones where they exist, else random ones with its fingerprint
+    (random-weight shapes: the cost does not depend on the values), written once per process."""
+    fingerprint = surrogate.model_fingerprint(model)
+    if fingerprint not in _KVZAP_WEIGHTS:
+        try:
+            surrogate.for_model(model)
+            _KVZAP_WEIGHTS[fingerprint] = ""
+        except ValueError:
+            path = Path(tempfile.mkdtemp(prefix="kvzap-")) / "random.safetensors"
+            _KVZAP_WEIGHTS[fingerprint] = str(surrogate.random_surrogate(model).save(path))
+    return _KVZAP_WEIGHTS[fingerprint]
 
 
 # ---------------------------------------------------------------------------------------------------- one run
@@ -192,9 +213,9 @@ def memory_probe(args) -> None:
     model, tokenizer, (low, high), _ = build_model(args.model, device, dtype)
     length, method = args.lengths[0], args._probe
     budget = method_budget(args.budget, length, method)
-    params = method_parameters(method, budget)
+    params = method_parameters(method, budget, model)
     warm = torch.randint(low, high, (1, 64), generator=torch.Generator().manual_seed(1)).to(device)
-    run_once(model, tokenizer, warm, method_parameters(method, 32) if params else None, 2, device,
+    run_once(model, tokenizer, warm, method_parameters(method, 32, model) if params else None, 2, device,
              measure_memory=False)
     prompt = torch.randint(low, high, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
     with PeakMemory(device) as memory:
@@ -233,7 +254,7 @@ def benchmark(args) -> dict:
         budgets = {m: method_budget(args.budget, length, m) for m in methods}
         runs = {"none": (prompt, None)}
         for m in methods:
-            runs[m] = (prompt, method_parameters(m, budgets[m]))
+            runs[m] = (prompt, method_parameters(m, budgets[m], model))
         records = {name: [] for name in runs}
 
         def measure(name, ids, params, new_tokens, same_size) -> dict | None:
@@ -252,7 +273,7 @@ def benchmark(args) -> dict:
         log(f"{args.model} length {length}: warm-up at {warm.shape[1]} tokens")
         for name, (_, params) in runs.items():
             warm_params = None if params is None else (
-                params if args.full_warm_up else method_parameters(name, 32))
+                params if args.full_warm_up else method_parameters(name, 32, model))
             measure(name, warm, warm_params, 2, (twin, warm[:, :32]) if params and twin is not None else None)
         order = list(runs)
         for repeat in range(args.repeats):

@@ -127,6 +127,20 @@ def for_model(model: nn.Module, weights: str = "") -> Surrogate:
     )
 
 
+def random_surrogate(model: nn.Module, seed: int = 0, name: str = "random") -> Surrogate:
+    """Weights with ``model``'s fingerprint and random values: what speed measurements (the cost does not depend
+    on the values) and mechanics tests use for models nobody trained a surrogate for."""
+    config = text_config(model)
+    generator = torch.Generator().manual_seed(seed)
+    layers = inspect_model(model).compressed_layers
+    kv_heads, hidden = config.num_key_value_heads, config.hidden_size
+    return Surrogate(
+        model_name=name, fingerprint=model_fingerprint(model),
+        weights={layer: torch.randn(kv_heads, hidden, generator=generator) / hidden**0.5 for layer in layers},
+        biases={layer: torch.randn(kv_heads, generator=generator) for layer in layers},
+    )
+
+
 def shipped_names() -> list[str]:
     return sorted(path.stem for path in SHIPPED.glob("*.safetensors"))
 

@@ -12,9 +12,8 @@ import torch
 import transformers
 
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
-from kvcompress.adapters import inspect_model
 from kvcompress.scoring.registry import scorer_class
-from kvcompress.surrogate import Surrogate, model_fingerprint
+from kvcompress.surrogate import random_surrogate
 
 torch.set_num_threads(1)
 
@@ -93,16 +92,7 @@ def scorer_parameters(method: str, arch: str = "llama", **sizes) -> KVCacheCompr
 @functools.lru_cache(maxsize=None)
 def random_kvzap_weights(arch: str = "llama") -> Path:
     """A KVzap surrogate file with random weights for ``tiny_model(arch)``, written once per test process."""
-    model = tiny_model(arch)
-    generator = torch.Generator().manual_seed(7)
-    config = model.config.get_text_config()
-    layers = inspect_model(model).compressed_layers
-    surrogate = Surrogate(
-        model_name=f"tiny-{arch}", fingerprint=model_fingerprint(model),
-        weights={layer: torch.randn(config.num_key_value_heads, config.hidden_size, generator=generator)
-                 for layer in layers},
-        biases={layer: torch.randn(config.num_key_value_heads, generator=generator) for layer in layers},
-    )
+    surrogate = random_surrogate(tiny_model(arch), seed=7, name=f"tiny-{arch}")
     return surrogate.save(Path(tempfile.mkdtemp(prefix="kvzap-")) / f"tiny-{arch}.safetensors")
 
 
