@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvcompress import compress, models
+from kvcompress import surrogate as surrogates
 
 GEMMA = models.embedded_model("gemma3-270m")
 
@@ -55,3 +56,15 @@ def test_a_budget_above_the_prompt_answers_as_the_full_cache(gemma):
             held.append(layer.keys.shape[-2])
     length = ids.shape[1] + 5  # the cache holds the prompt and the new tokens but the last
     assert sum(held) <= 3 * (round(0.2 * ids.shape[1]) + 5) and max(held) < length / 2, held
+
+
+def test_kvzap_finds_the_shipped_surrogate_and_scores_only_the_global_layers(gemma):
+    model, tokenizer = gemma
+    surrogate = surrogates.for_model(model)
+    assert surrogate.model_name == "gemma3-270m" and sorted(surrogate.weights) == [5, 11, 17]
+    text = " ".join(f"Item {i} is in room {i * 7 % 101}." for i in range(40))
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    with compress(model, method="kvzap", budget=0.2), torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    held = [cache.layers[index].keys.shape[-2] for index in (5, 11, 17)]
+    assert sum(held) <= 3 * (round(0.2 * ids.shape[1]) + 5), held
