@@ -76,7 +76,7 @@ def answer(model, tokenizer, ids: list[int], forced: list[int], new_tokens: int)
     output = model(torch.tensor([ids]), use_cache=True)
     cache = output.past_key_values
     for token in forced:
-        output = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        output = model(torch.tensor([[token]]), cache=cache, use_cache=True)
     held = kv_cache_bytes(cache)
     generated = []
     for _ in range(new_tokens):
@@ -84,7 +84,7 @@ def answer(model, tokenizer, ids: list[int], forced: list[int], new_tokens: int)
         if token == tokenizer.eos_token_id:
             break
         generated.append(token)
-        output = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        output = model(torch.tensor([[token]]), cache=cache, use_cache=True)
     return tokenizer.decode(generated, skip_special_tokens=True), held
 
 
@@ -97,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preamble", type=int, default=512, help="tokens forced before the answer")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True, help="writes OUT.jsonl (resumable) and OUT.md")
+    parser.add_argument("--report-only", action="store_true", help="render OUT.md from the runs so far")
     args = parser.parse_args(argv)
+    if args.report_only:
+        write_report(args, args.out.with_suffix(".jsonl"))
+        return 0
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("default", dtype=torch.float32)
     preamble_ids = tokenizer.encode(PREAMBLE.read_text(encoding="utf-8"), add_special_tokens=False)

@@ -8,8 +8,9 @@ states to one predicted log-score per KV head. A token is scored once, when it e
 scored like prompt tokens: continuous eviction during long generations keeps what KVzip would have kept.
 
 Trained weights ship for the embedded models and are found by the model's fingerprint; for other models train
-them with ``kvcompress-train-scorer`` and pass ``scorer_options={"weights": path}``. The layers share one budget
-by score, as KVzip's presets do: the predicted log-scores are on KVzip's scale in every layer.
+them with ``kvcompress-train-scorer`` and pass ``scorer_options={"weights": path}``. A slot's score is the
+exponential of its predicted log-score, a predicted KVzip score: the layers share one budget by it, as KVzip's
+presets do, and a layer's KV heads add up as KVzip's scores do where they share a selection.
 """
 
 from __future__ import annotations
@@ -34,6 +35,5 @@ class KVzap(Scorer):
         if call.hidden_states is None:
             raise RuntimeError(f"kvcompress: layer {call.module.layer_idx}'s attention call came without its hidden "
                                "states (method='kvzap' reads them through a pre-hook on the attention module)")
-        # on KVzip's own scale (attention in [0, 1]): a layer's KV heads add up as KVzip's scores do, so a token one
-        # head needs is not outvoted by the others' low log-scores
+        # summed over heads, log-scores would let the others' low predictions outvote the one head that needs a token
         return self.surrogate.scores(call.module.layer_idx, call.hidden_states).exp(), None
