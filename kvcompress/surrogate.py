@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -145,19 +146,33 @@ def shipped_names() -> list[str]:
     return sorted(path.stem for path in SHIPPED.glob("*.safetensors"))
 
 
+# model -> (the hashed tensors' storage and in-place version counters, the fingerprint)
+_FINGERPRINTS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+
+
 def model_fingerprint(model: nn.Module) -> str:
     """What identifies a model's weights cheaply: its dimensions and the output projections of its first and last
-    compressed layers, in bfloat16 (the same for a float32 and a bfloat16 load of one checkpoint)."""
-    config = text_config(model)
+    compressed layers, in bfloat16 (the same for a float32 and a bfloat16 load of one checkpoint).
+
+    Kept per model until those tensors are replaced or written in place (``load_state_dict`` bumps their version):
+    a session binds its scorer again for every prompt whose budget follows its length, and hashing an 8B model's
+    projections (copied off a GPU) would cost each of them a noticeable share of its prefill."""
     layout = inspect_model(model)
+    weights = [value_projection_weight(layout.attention_modules[index]).detach()
+               for index in sorted({*layout.compressed_layers[:1], *layout.compressed_layers[-1:]})]
+    key = tuple((weight.data_ptr(), weight._version) for weight in weights)
+    cached = _FINGERPRINTS.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    config = text_config(model)
     digest = hashlib.sha256()
     dimensions = [getattr(config, name, None) for name in
                   ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")]
     digest.update(json.dumps(dimensions).encode())
-    for index in sorted({*layout.compressed_layers[:1], *layout.compressed_layers[-1:]}):
-        weight = value_projection_weight(layout.attention_modules[index]).detach()
+    for weight in weights:
         digest.update(weight.to(device="cpu", dtype=torch.bfloat16).view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()
+    _FINGERPRINTS[model] = key, digest.hexdigest()
+    return _FINGERPRINTS[model][1]
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:

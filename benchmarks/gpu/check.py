@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -33,9 +32,9 @@ from transformers import DynamicCache  # noqa: E402
 
 import kvcompress  # noqa: E402
 from benchmarks.common import random_model, release_memory, tiny_tokenizer  # noqa: E402
+from benchmarks.speed_memory import kvzap_weights  # noqa: E402
 from kvcompress.cache import kv_cache_bytes  # noqa: E402
 from kvcompress.kernels import triton_attention  # noqa: E402
-from kvcompress.surrogate import random_surrogate  # noqa: E402
 
 STARTED = time.perf_counter()
 
@@ -112,8 +111,7 @@ def method_checks(device: str, plan: list[tuple[str, int, str]], deadline: float
             full_bytes = kv_cache_bytes(full)
             del full
         # KVzap on a random model: random surrogate weights with its fingerprint (exactness does not depend on them)
-        kvzap = {"scorer_options": {"weights": str(random_surrogate(model).save(
-            Path(tempfile.mkdtemp(prefix="kvzap-")) / "random.safetensors"))}}
+        kvzap = {"scorer_options": {"weights": kvzap_weights(model)}}
         for name, method, overrides in variants:
             overrides = {**overrides, **kvzap} if method == "kvzap" else overrides
             if time.perf_counter() > deadline:

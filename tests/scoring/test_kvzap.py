@@ -80,9 +80,13 @@ def test_weight_files_that_do_not_fit_are_refused(tmp_path):
     assert surrogates.for_model(model, str(path)).fingerprint == surrogates.model_fingerprint(model)
 
 
-def test_fingerprint_is_the_same_in_float32_and_bfloat16():
-    assert (surrogates.model_fingerprint(tiny_model("llama"))
-            == surrogates.model_fingerprint(tiny_model("llama", dtype=torch.bfloat16)))
+def test_fingerprint_is_the_same_in_float32_and_bfloat16_and_follows_weights_written_in_place():
+    model = tiny_model("llama")
+    first = surrogates.model_fingerprint(model)
+    assert first == surrogates.model_fingerprint(tiny_model("llama", dtype=torch.bfloat16))
+    with torch.no_grad():  # another checkpoint loaded into the same module objects
+        model.load_state_dict(tiny_model("llama", seed=1).state_dict())
+    assert surrogates.model_fingerprint(model) == surrogates.model_fingerprint(tiny_model("llama", seed=1)) != first
 
 
 def test_ridge_solution_matches_float64_least_squares_and_spearman_its_definition():
