@@ -109,15 +109,25 @@ class BudgetPlan:
         return torch.full(state.slot_valid.shape[:1], self.uniform_units(), dtype=torch.long,
                           device=state.slot_valid.device)
 
-    def layer_slots(self, state: LayerState) -> torch.Tensor:
-        """(B,) slots the layer keeps per sequence."""
-        return self.slots(self.scored_units(state))
-
     def fewest_slots(self, state: LayerState) -> int:
         """The fewest slots any sequence of the layer keeps, with no tensor work (every layer of every decode step
         asks): the smallest area is read once per assignment."""
         fewest = state.fewest_scored_units()
         return self.slots(self.uniform_units() if fewest is None else fewest)
+
+    def selects(self, live: torch.Tensor, scored_units: torch.Tensor, slack: float) -> torch.Tensor:
+        """(rows,) bool: the rows an eviction selects in: those whose ``live`` slots exceed their budget by more
+        than ``slack``, or every row with a ``score_threshold`` (slots below it leave whatever the budget)."""
+        if self.parameters.score_threshold is not None:
+            return torch.ones_like(live, dtype=torch.bool)
+        return live > self.slots(scored_units) + slack
+
+    def due(self, state: LayerState, total: int, slack: float) -> bool:
+        """Whether a layer now holding ``total`` slots evicts: more than ``slack`` past its fewest budget, or with
+        a ``score_threshold`` more than ``slack`` slots added since its last eviction (a prompt always is)."""
+        if self.parameters.score_threshold is not None:
+            return total > state.kept_length + slack
+        return total > self.fewest_slots(state) + slack
 
     def slack(self, length: int, evicting: bool) -> float:
         """How far past its budget a layer may grow before it evicts: 0 after a multi-token forward, the decode

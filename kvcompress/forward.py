@@ -169,7 +169,7 @@ class Forward:
                      combine=self.scorer.combine)
         self.timings["scoring"] += time.perf_counter() - started
         slack = self.budget.slack(length, self.evicting)
-        if total > self.budget.fewest_slots(state) + slack:
+        if self.budget.due(state, total, slack):
             scored_later = self.scorer.reconstructs and self.parameters.intermediate_size > 0
             if length == 1:  # a decode step: every due layer is evicted at once when the forward ends
                 self.due.append((module, layer))

@@ -8,6 +8,7 @@ word every entry point and runner uses; the extra fields are documented in the R
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -58,7 +59,9 @@ class KVCacheCompressionParameters:
 
     The cache of each layer is split into three areas: the first ``start_size`` slots (attention sinks) and the
     last ``recent_size`` slots always survive; of everything in between only the ``intermediate_size`` best
-    scored slots survive. The layer budget is their sum (``max_cache_size``).
+    scored slots survive. The layer budget is their sum (``max_cache_size``). With ``score_threshold`` the
+    middle keeps only slots whose best KV head scores at least the threshold, at most ``intermediate_size``: the
+    budget bounds memory, the threshold lets content decide how much less is kept.
     """
 
     method: str = "snapkv"
@@ -83,6 +86,7 @@ class KVCacheCompressionParameters:
     pyramid_beta: float = 20.0
     adaptive_floor: float = DEFAULT_ADAPTIVE_FLOOR
     head_selection: str = "shared"
+    score_threshold: float | None = None
     scorer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -124,7 +128,8 @@ class KVCacheCompressionParameters:
             if field.name in _BOOL_FIELDS and not isinstance(value, bool):
                 raise TypeError(f"{field.name} must be true or false, got {value!r} ({type(value).__name__})")
             if field.name in _FLOAT_FIELDS and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise TypeError(f"{field.name} must be a number, got {value!r} ({type(value).__name__})")
+                if not (field.name == "score_threshold" and value is None):
+                        raise TypeError(f"{field.name} must be a number, got {value!r} ({type(value).__name__})")
             if field.name in _STR_FIELDS and not isinstance(value, str) and not (
                 field.name == "refined_algorithm" and value is None
             ):
@@ -224,6 +229,13 @@ class KVCacheCompressionParameters:
             )
         if self.criticalkv_epsilon < 0:
             raise ValueError(f"criticalkv_epsilon must be >= 0, got {self.criticalkv_epsilon}")
+        if self.score_threshold is not None and not math.isfinite(self.score_threshold):
+            raise ValueError(f"score_threshold must be a finite number or None, got {self.score_threshold}")
+        if self.score_threshold is not None and self.head_selection == "per_head" and not self.heads_share_budget:
+            raise ValueError(
+                "score_threshold with head_selection='per_head' needs budget_allocation 'adaptive' or "
+                f"'global_adaptive' (each head then keeps its own count); got {self.budget_allocation!r}"
+            )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -308,7 +320,9 @@ _INT_FIELDS = {
     "decode_slack", "refined_size", "kvcrush_seed",
 }
 _BOOL_FIELDS = {"compress_during_decoding", "rerotate_keys"}
-_FLOAT_FIELDS = {"criticalkv_first_stage_ratio", "criticalkv_epsilon", "pyramid_beta", "adaptive_floor"}
+_FLOAT_FIELDS = {
+    "criticalkv_first_stage_ratio", "criticalkv_epsilon", "pyramid_beta", "adaptive_floor", "score_threshold",
+}
 _STR_FIELDS = {
     "budget_allocation", "head_selection", "strategy", "score_aggregation", "refined_algorithm", "kvcrush_anchor",
 }

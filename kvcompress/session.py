@@ -299,7 +299,7 @@ class CompressionSession:
         if forward.reconstruct_due:
             # as in evict: only the sequences over budget evict now (and are reconstructed), as they would alone
             state = forward.due[0][1].state
-            over = state.live > self.budget.layer_slots(state) + slack
+            over = self.budget.selects(state.live, self.budget.scored_units(state), slack)
             self._reconstruct(forward, forward.valid & over[:, None])
         if forward.due:  # a decode step's evictions, or a prompt's whose layers share one budget or were reconstructed
             forward.evict(forward.due, slack, allocate=forward.length > 1 and self.parameters.layers_share_budget)

@@ -87,6 +87,7 @@ class LayerState:
         self.statistics: dict[str, torch.Tensor] = {}
         self.scored_units = None
         self.folded_heads: int | None = None  # KV heads folded into one row (``fold_heads``), else None
+        self.kept_length = 0  # slots the last eviction kept (a score threshold evicts again once it grew past)
         for name, tensor in zip(self._FIELDS, (head_scores, counts, rope_positions, true_positions, slot_valid,
                                                value_norms, None)):
             setattr(self, name, tensor)
@@ -209,7 +210,7 @@ class LayerState:
             index = keep[:, 0] if keep.dim() == 3 and buffer.dim() == 2 else keep
             kept[..., :width] = gather_slots(buffer[..., : self._length], index, dim=-1)
             self._buffers[name] = kept
-        self._length = width
+        self._length = self.kept_length = width
 
     def fold_heads(self, source: torch.Tensor, valid: torch.Tensor) -> None:
         """Fold a per-head state (B, H_kv, T) into one row: keep the flat head-major slots ``source`` (B, N) of
@@ -225,7 +226,7 @@ class LayerState:
             kept = self._allocate_like(folded, self._capacity)
             kept[..., :width] = folded
             self._buffers[name] = kept.unsqueeze(1) if name == "head_scores" else kept
-        self._length = width
+        self._length = self.kept_length = width
         self.slot_valid = valid
         self.slot_head = torch.div(source, total, rounding_mode="floor")
         self.folded_heads = heads

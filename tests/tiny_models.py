@@ -13,6 +13,7 @@ import transformers
 
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.scoring.registry import scorer_class
+from kvcompress.surrogate import load as load_surrogate
 from kvcompress.surrogate import random_surrogate
 
 torch.set_num_threads(1)
@@ -94,6 +95,18 @@ def random_kvzap_weights(arch: str = "llama") -> Path:
     """A KVzap surrogate file with random weights for ``tiny_model(arch)``, written once per test process."""
     surrogate = random_surrogate(tiny_model(arch), seed=7, name=f"tiny-{arch}")
     return surrogate.save(Path(tempfile.mkdtemp(prefix="kvzap-")) / f"tiny-{arch}.safetensors")
+
+
+def kvzap_reference_scores(model, ids, arch="llama"):
+    """Per compressed layer, the random surrogate's log-scores (H_kv, T) of every token of ``ids``, computed without
+    a session: the decoder's residual stream (``output_hidden_states``) through the layer's own ``input_layernorm``."""
+    surrogate = load_surrogate(random_kvzap_weights(arch))
+    with torch.no_grad():
+        residual = model(ids, output_hidden_states=True).hidden_states
+        layers = model.model.layers
+        return {index: (layers[index].input_layernorm(residual[index])[0].double()
+                        @ surrogate.weights[index].double().t() + surrogate.biases[index].double()).t()
+                for index in surrogate.weights}
 
 
 BATCH_LENGTHS = (90, 61, 120, 37)  # the last one fits in the budget at first: it must evict on its own schedule

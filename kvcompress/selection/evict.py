@@ -59,7 +59,7 @@ def evict(layers: list[tuple[nn.Module, CompressedLayer]], scorer: Scorer, plan:
         units = torch.where(live > plan.slots(units) + slack, shares, units)
         for number, state in enumerate(states):
             state.scored_units = units[number * batch : (number + 1) * batch]
-    over = live > plan.slots(units) + slack
+    over = plan.selects(live, units, slack)
     if parameters.head_selection == "per_head":  # every (layer, sequence, head) row selects alone
         heads = scores.shape[1]
         head_units = units.repeat_interleave(heads)

@@ -32,7 +32,7 @@ def select_keep_mask(
     window, ``intermediate_size`` slots (``intermediate_size / group_size`` pages; per row ``scored_units``
     (B,) units where rows have budgets of their own) and its recent window. Dead slots (padding) are never kept.
     """
-    units = _units(head_scores, slot_valid, params)
+    units = _units(head_scores, slot_valid, params, params.score_threshold)
     if scored_units is None:
         scored_units = torch.full_like(units.candidates[:, 0], params.intermediate_size // params.unit_size,
                                        dtype=torch.long)
@@ -80,7 +80,8 @@ def adaptive_scored_units(
     top-k over the competing heads. Ties go to the lower layer, then head, then the older unit.
     """
     rows, heads, total = head_scores.shape
-    units = _units(head_scores.reshape(rows * heads, 1, total), slot_valid.repeat_interleave(heads, 0), params)
+    units = _units(head_scores.reshape(rows * heads, 1, total), slot_valid.repeat_interleave(heads, 0), params,
+                   params.score_threshold)
     count = units.candidates.shape[-1]
     floor = torch.floor(params.adaptive_floor * scored_units.double()).long()
     safe = _top_k_mask(units.scores, units.candidates, floor.repeat_interleave(heads))
@@ -107,7 +108,10 @@ class _Units:
     scatter_to: torch.Tensor  # each slot's unit
 
 
-def _units(head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters) -> _Units:
+def _units(head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters,
+           threshold: float | None = None) -> _Units:
+    """The rows' units; with a ``threshold`` only the units whose best head scores at least that much per slot are
+    candidates (``score_threshold``: the others leave whatever the budget)."""
     unit = params.unit_size
     start, recent_units = params.start_size, params.recent_size // unit
     batch, _, total = head_scores.shape
@@ -128,6 +132,8 @@ def _units(head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheC
     scatter_to = torch.where(in_units, unit_of_slot, 0)
     unit_head_scores = torch.zeros(batch, head_scores.shape[1], max_units, device=head_scores.device)
     unit_head_scores.scatter_add_(-1, scatter_to.unsqueeze(1).expand_as(head_scores), head_scores * in_units[:, None])
+    if threshold is not None:
+        candidates = candidates & (unit_head_scores.amax(1) >= threshold * unit)
     return _Units(scores=unit_head_scores.sum(1), head_scores=unit_head_scores, candidates=candidates,
                   protected=protected, in_units=in_units, scatter_to=scatter_to)
 

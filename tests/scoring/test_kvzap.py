@@ -11,20 +11,16 @@ import torch
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress import surrogate as surrogates
 from kvcompress.train_scorer import _RidgeSums, fit_report, spearman, train_surrogate
-from tiny_models import TinyTokenizer, random_kvzap_weights, random_tokens, scorer_parameters, tiny_model
+from tiny_models import (
+    TinyTokenizer,
+    kvzap_reference_scores,
+    random_kvzap_weights,
+    random_tokens,
+    scorer_parameters,
+    tiny_model,
+)
 
 PROMPT, DECODE_STEPS = 60, 4
-
-
-def _reference_scores(model, ids, arch="llama"):
-    """Per compressed layer, the surrogate's log-scores (H_kv, T) of every token of ``ids``, computed without kvzap."""
-    surrogate = surrogates.load(random_kvzap_weights(arch))
-    with torch.no_grad():
-        residual = model(ids, output_hidden_states=True).hidden_states
-    layers = model.model.layers
-    return {index: (layers[index].input_layernorm(residual[index])[0].double()
-                    @ surrogate.weights[index].double().t() + surrogate.biases[index].double()).t()
-            for index in surrogate.weights}
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -37,7 +33,7 @@ def test_prompt_and_decoded_tokens_are_scored_by_their_own_hidden_states(arch):
     with KVCacheCompressor(params)(model):
         out = model.generate(ids, max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS, do_sample=False,
                              return_dict_in_generate=True)
-    reference = _reference_scores(model, out.sequences[:, :-1], arch)  # the last token never entered the cache
+    reference = kvzap_reference_scores(model, out.sequences[:, :-1], arch)  # the last token never entered the cache
     for index in reference:
         state = out.past_key_values.layers[index].state
         assert state.length == PROMPT + DECODE_STEPS - 1
@@ -50,7 +46,7 @@ def test_eviction_keeps_each_heads_highest_predicted_scores():
     model = tiny_model("llama")
     params = scorer_parameters("kvzap", start_size=4, intermediate_size=16, recent_size=8, head_selection="per_head")
     ids = random_tokens(PROMPT)
-    reference = _reference_scores(model, ids)
+    reference = kvzap_reference_scores(model, ids)
     with KVCacheCompressor(params)(model) as session, torch.no_grad():
         model(ids, use_cache=True)
     for index, state in session.layers.items():

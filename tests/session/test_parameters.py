@@ -64,6 +64,10 @@ INVALID = [
     ({"method": "kvzip", "scorer_options": {"chunk_size": 0}}, ValueError, "chunk_size"),
     ({"method": "expected_attention", "scorer_options": {"covariance": 1}}, TypeError, "covariance"),
     ({"method": "tova", "window_size": 8}, ValueError, "window_size is only allowed with method='snapkv'"),
+    ({"score_threshold": "0.1"}, TypeError, "score_threshold must be a number"),
+    ({"score_threshold": float("nan")}, ValueError, "score_threshold must be a finite number or None"),
+    ({"score_threshold": 0.1, "head_selection": "per_head"}, ValueError,
+     "score_threshold with head_selection='per_head' needs budget_allocation"),
 ]
 
 
