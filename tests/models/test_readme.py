@@ -1,5 +1,5 @@
-"""The README's code runs as written (with short texts and fewer new tokens, to keep the suite fast): the quick
-start, and the chat whose second turn asks about the first turn's document."""
+"""The README's and docs/usage.md's code runs as written (with short texts and fewer new tokens, to keep the suite
+fast): the quick start, the chat whose second turn asks about the first turn's document, the score threshold."""
 
 import re
 from pathlib import Path
@@ -7,17 +7,19 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+USAGE = README.parent / "docs" / "usage.md"
 
 
-def _readme_code(heading: str, short_answer: tuple[str, str]) -> str:
-    """The first Python block after ``heading``, its ``max_new_tokens`` shortened; skips without the model."""
+def _readme_code(heading: str, short_answer: tuple[str, str], page: Path = README) -> str:
+    """The first Python block after ``heading`` in ``page``, its ``max_new_tokens`` shortened; skips without the
+    model."""
     from kvcompress.models import ModelUnavailableError, embedded_model
 
     try:
         embedded_model().package_locations()
     except ModelUnavailableError as error:
         pytest.skip(f"default model not installed: {error}")
-    text = README.read_text(encoding="utf-8")
+    text = page.read_text(encoding="utf-8")
     code = re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)
     return code.replace(*short_answer)
 
@@ -34,7 +36,7 @@ def test_quick_start_runs():
 
 @pytest.mark.slow
 def test_chat_example_runs_and_turn_two_reads_turn_one():
-    code = _readme_code("**Chat with a compressed cache.**", ("max_new_tokens=64", "max_new_tokens=6"))
+    code = _readme_code("## Chat with a compressed cache", ("max_new_tokens=64", "max_new_tokens=6"), USAGE)
     from kvcompress.models import load_default_model
 
     model, tokenizer = load_default_model()
@@ -42,7 +44,21 @@ def test_chat_example_runs_and_turn_two_reads_turn_one():
                 + " ".join(["Gulls circled above the fishing boats."] * 40))
     namespace = {"kvcompress": __import__("kvcompress"), "model": model, "tokenizer": tokenizer,
                  "long_document": document}
-    exec(compile(code, str(README), "exec"), namespace)
+    exec(compile(code, str(USAGE), "exec"), namespace)
     cache_length = namespace["turn2"]["input_ids"].shape[1]
     answer = tokenizer.decode(namespace["out"][0, cache_length:], skip_special_tokens=True)
     assert "48213" in answer, answer
+
+
+@pytest.mark.slow
+def test_threshold_example_keeps_less_than_its_budget():
+    code = _readme_code("## Keep what scores above a threshold", ("max_new_tokens=512", "max_new_tokens=4"), USAGE)
+    from kvcompress.models import load_default_model
+
+    model, tokenizer = load_default_model()
+    text = "The courier's code word is amber. " + "Rain fell on the quiet town all day. " * 60 + "The code word?"
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    namespace = {"kvcompress": __import__("kvcompress"), "model": model, "tokenizer": tokenizer, "inputs": inputs}
+    exec(compile(code, str(USAGE), "exec"), namespace)
+    assert 0 < namespace["kept"] < 0.5  # the budget (half the prompt) is a cap the threshold stays under
