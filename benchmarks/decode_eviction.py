@@ -41,8 +41,10 @@ from ruler.prompts import max_new_tokens, split_input  # noqa: E402
 RECORDS = ROOT / "results" / "ruler_runner_smollm2_2k" / "data"
 PREAMBLE = ROOT / "kvcompress" / "data" / "demo_report.txt"  # unrelated to the records' haystacks and needles
 FIRST_REQUEST = "\n\nBefore my question about the text above: write me a long business report."
-METHODS = {  # name -> (preset method, overrides)
+METHODS = {  # name -> (preset method, overrides; a "budget" of their own replaces --budget)
     "kvzap": ("kvzap", {}),
+    # what scores below 0.03 leaves, prompt and decoded tokens alike; half the prompt is the cap
+    "kvzap-t0.03": ("kvzap", {"score_threshold": 0.03, "budget": 0.5}),
     "kvzip-prompt": ("kvzip", {"compress_during_decoding": False}),
     "snapkv": ("snapkv", {}),
     "h2o": ("h2o", {}),
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                     prediction, held = answer(model, tokenizer, ids, forced, max_new_tokens(task))
                 else:
                     name, overrides = METHODS[method]
-                    with compress(model, method=name, budget=args.budget, tokenizer=tokenizer, **overrides):
+                    overrides = {"budget": args.budget, **overrides}
+                    with compress(model, method=name, tokenizer=tokenizer, **overrides):
                         prediction, held = answer(model, tokenizer, ids, forced, max_new_tokens(task))
                 row = {"method": method, "id": record_id, "task": task, "prompt_tokens": len(ids),
                        "forced_tokens": len(forced), "kv_bytes": held, "prediction": prediction,
