@@ -198,6 +198,12 @@ def full_cache_bytes(cache: Cache, tokens: int) -> int:
                + layer.values.nbytes for layer in _filled_layers(cache))
 
 
+def kept_fraction(cache: Cache) -> float:
+    """The share of the uncompressed cache's key and value bytes the cache holds for the tokens it has seen: what a
+    budget or a ``score_threshold`` kept (every layer counted; sliding layers as they are)."""
+    return kv_cache_bytes(cache) / full_cache_bytes(cache, cache.get_seq_length())
+
+
 def kv_cache_length(cache: Cache) -> int:
     """Physical slots per full-attention layer (what compression bounds), averaged over those layers and rounded:
     their common length, unless the layers have budgets of their own (``budget_allocation="global"``); a folded

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvcompress import KVCacheCompressor
+from kvcompress.cache import kept_fraction
 from tiny_models import (
     generate_batch,
     kvzap_reference_scores,
@@ -43,10 +44,12 @@ def test_a_prompt_keeps_exactly_the_slots_at_or_above_the_threshold(allocation):
     params = scorer_parameters("kvzap", start_size=START, intermediate_size=200, recent_size=RECENT,
                                budget_allocation=allocation, score_threshold=threshold)
     with KVCacheCompressor(params)(model) as session, torch.no_grad():
-        model(ids, use_cache=True)
+        cache = model(ids, use_cache=True).past_key_values
     for index, state in session.layers.items():
         assert set(state.true_positions[0].tolist()) == _expected(best[index], threshold, PROMPT)
         assert state.length == len(_expected(best[index], threshold, PROMPT)) < PROMPT
+    kept = sum(len(_expected(scores, threshold, PROMPT)) for scores in best.values()) / (len(best) * PROMPT)
+    assert kept_fraction(cache) == pytest.approx(kept)  # every layer of the tiny model is compressed
 
 
 def test_the_budget_caps_what_the_threshold_keeps():
