@@ -129,7 +129,7 @@ class KVCacheCompressionParameters:
                 raise TypeError(f"{field.name} must be true or false, got {value!r} ({type(value).__name__})")
             if field.name in _FLOAT_FIELDS and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 if not (field.name == "score_threshold" and value is None):
-                        raise TypeError(f"{field.name} must be a number, got {value!r} ({type(value).__name__})")
+                    raise TypeError(f"{field.name} must be a number, got {value!r} ({type(value).__name__})")
             if field.name in _STR_FIELDS and not isinstance(value, str) and not (
                 field.name == "refined_algorithm" and value is None
             ):

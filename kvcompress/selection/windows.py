@@ -30,7 +30,8 @@ def select_keep_mask(
 
     A sequence whose live tokens fit in the budget keeps all of them; otherwise it keeps exactly its start
     window, ``intermediate_size`` slots (``intermediate_size / group_size`` pages; per row ``scored_units``
-    (B,) units where rows have budgets of their own) and its recent window. Dead slots (padding) are never kept.
+    (B,) units where rows have budgets of their own) and its recent window; with ``score_threshold`` the scored
+    part keeps only the units at or above it, at most that many. Dead slots (padding) are never kept.
     """
     units = _units(head_scores, slot_valid, params, params.score_threshold)
     if scored_units is None:
