@@ -34,8 +34,6 @@ from kvcompress.models import load_model  # noqa: E402
 from ruler.chat import encode_prompt  # noqa: E402
 from ruler.prompts import split_input  # noqa: E402
 
-START, RECENT = 32, 64  # the preset's windows: what a threshold never touches
-
 
 @torch.no_grad()
 def best_head_scores(model, tokenizer, path: Path, records: int) -> torch.Tensor:
@@ -47,7 +45,8 @@ def best_head_scores(model, tokenizer, path: Path, records: int) -> torch.Tensor
         context = torch.tensor([prompt.input_ids[: prompt.prefill_length]])
         with compress(model, method="kvzap", budget=10 * context.shape[1], tokenizer=tokenizer) as session:
             model(context, use_cache=True)
-            scores += [state.head_scores[0].amax(0)[START:-RECENT] for state in session.layers.values()]
+            start, recent = session.parameters.start_size, session.parameters.recent_size  # never thresholded
+            scores += [state.head_scores[0].amax(0)[start:-recent] for state in session.layers.values()]
     return torch.cat(scores)
 
 

@@ -115,12 +115,16 @@ class BudgetPlan:
         fewest = state.fewest_scored_units()
         return self.slots(self.uniform_units() if fewest is None else fewest)
 
+    def over_budget(self, live: torch.Tensor, scored_units: torch.Tensor, slack: float) -> torch.Tensor:
+        """(rows,) bool: the rows whose ``live`` slots exceed the budget of ``scored_units`` by more than ``slack``."""
+        return live > self.slots(scored_units) + slack
+
     def selects(self, live: torch.Tensor, scored_units: torch.Tensor, slack: float) -> torch.Tensor:
-        """(rows,) bool: the rows an eviction selects in: those whose ``live`` slots exceed their budget by more
-        than ``slack``, or every row with a ``score_threshold`` (slots below it leave whatever the budget)."""
+        """(rows,) bool: the rows an eviction selects in: those over their budget, or every row with a
+        ``score_threshold`` (slots below it leave whatever the budget)."""
         if self.parameters.score_threshold is not None:
             return torch.ones_like(live, dtype=torch.bool)
-        return live > self.slots(scored_units) + slack
+        return self.over_budget(live, scored_units, slack)
 
     def due(self, state: LayerState, total: int, slack: float) -> bool:
         """Whether a layer now holding ``total`` slots evicts: more than ``slack`` past its fewest budget, or with

@@ -122,17 +122,15 @@ class KVCacheCompressionParameters:
     def _check_types(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if value is None and field.name in _OPTIONAL_FIELDS:
+                continue
             if field.name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, int)):
-                if not (field.name == "window_size" and value is None):
-                    raise TypeError(f"{field.name} must be an integer, got {value!r} ({type(value).__name__})")
+                raise TypeError(f"{field.name} must be an integer, got {value!r} ({type(value).__name__})")
             if field.name in _BOOL_FIELDS and not isinstance(value, bool):
                 raise TypeError(f"{field.name} must be true or false, got {value!r} ({type(value).__name__})")
             if field.name in _FLOAT_FIELDS and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                if not (field.name == "score_threshold" and value is None):
-                    raise TypeError(f"{field.name} must be a number, got {value!r} ({type(value).__name__})")
-            if field.name in _STR_FIELDS and not isinstance(value, str) and not (
-                field.name == "refined_algorithm" and value is None
-            ):
+                raise TypeError(f"{field.name} must be a number, got {value!r} ({type(value).__name__})")
+            if field.name in _STR_FIELDS and not isinstance(value, str):
                 raise TypeError(f"{field.name} must be a string, got {value!r} ({type(value).__name__})")
 
     def _check_values(self) -> None:
@@ -326,3 +324,4 @@ _FLOAT_FIELDS = {
 _STR_FIELDS = {
     "budget_allocation", "head_selection", "strategy", "score_aggregation", "refined_algorithm", "kvcrush_anchor",
 }
+_OPTIONAL_FIELDS = {"window_size", "refined_algorithm", "score_threshold"}  # None: unset

@@ -171,8 +171,9 @@ def model_fingerprint(model: nn.Module) -> str:
     digest.update(json.dumps(dimensions).encode())
     for weight in weights:
         digest.update(weight.to(device="cpu", dtype=torch.bfloat16).view(torch.int16).numpy().tobytes())
-    _FINGERPRINTS[model] = key, digest.hexdigest()
-    return _FINGERPRINTS[model][1]
+    fingerprint = digest.hexdigest()
+    _FINGERPRINTS[model] = key, fingerprint
+    return fingerprint
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:

@@ -56,7 +56,7 @@ def evict(layers: list[tuple[nn.Module, CompressedLayer]], scorer: Scorer, plan:
     if allocate and not adaptive:  # only the sequences that evict now take their share, as each would alone
         totals = units.view(len(layers), batch).sum(0)  # per sequence, what the layers hold together
         shares = global_scored_units(scores, slot_rows, parameters, totals)
-        units = torch.where(live > plan.slots(units) + slack, shares, units)
+        units = torch.where(plan.over_budget(live, units, slack), shares, units)
         for number, state in enumerate(states):
             state.scored_units = units[number * batch : (number + 1) * batch]
     over = plan.selects(live, units, slack)
