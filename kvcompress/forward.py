@@ -57,7 +57,6 @@ class Forward:
     evicted: bool = False  # some layer evicted during this forward
     attended: int = 0  # compressed layers that ran this attention call
     due: list[tuple[nn.Module, CompressedLayer]] = dataclasses.field(default_factory=list)  # evict at the end
-    reconstruct_due: bool = False  # the scorer's reconstruction passes run before the due evictions
     # layer index -> its attention module's input hidden states (B, q, D), for scorers that read them
     hidden_states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     _observation: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = dataclasses.field(
@@ -66,6 +65,14 @@ class Forward:
     @property
     def length(self) -> int:
         return self.valid.shape[-1]
+
+    @property
+    def reconstructs(self) -> bool:
+        """Whether the scorer's reconstruction passes (KVzip) score this forward's tokens when it ends: every
+        prompt forward that may evict, over budget or not, so that the slots of a chunk or a turn that fits its
+        budget carry their scores when a later one evicts."""
+        return (self.scorer.reconstructs and self.parameters.intermediate_size > 0 and self.length > 1
+                and self.evicting and not self.replay)
 
     @property
     def parameters(self):
@@ -170,14 +177,12 @@ class Forward:
         self.timings["scoring"] += time.perf_counter() - started
         slack = self.budget.slack(length, self.evicting)
         if self.budget.due(state, total, slack):
-            scored_later = self.scorer.reconstructs and self.parameters.intermediate_size > 0
             if length == 1:  # a decode step: every due layer is evicted at once when the forward ends
                 self.due.append((module, layer))
-            elif scored_later or self.parameters.layers_share_budget:
+            elif self.reconstructs or self.parameters.layers_share_budget:
                 # evicted with every layer when the forward ends: after the reconstruction passes that score it
                 # (KVzip), or when all layers' scores are known for one budget shared across layers
                 self.due.append((module, layer))
-                self.reconstruct_due = self.reconstruct_due or scored_later
             else:  # a prefill evicts right away, so that at most one layer at a time holds the whole prompt
                 self.evict([(module, layer)], slack)
                 self.evicted = True

@@ -296,11 +296,8 @@ class CompressionSession:
                 "session's attention function (was config._attn_implementation changed inside the `with` block?)"
             )
         slack = self.budget.slack(forward.length, self._evicting)
-        if forward.reconstruct_due:
-            # as in evict: only the sequences over budget evict now (and are reconstructed), as they would alone
-            state = forward.due[0][1].state
-            over = self.budget.selects(state.live, self.budget.scored_units(state), slack)
-            self._reconstruct(forward, forward.valid & over[:, None])
+        if forward.reconstructs:
+            self._reconstruct(forward, forward.valid)
         if forward.due:  # a decode step's evictions, or a prompt's whose layers share one budget or were reconstructed
             forward.evict(forward.due, slack, allocate=forward.length > 1 and self.parameters.layers_share_budget)
         self.evictions += forward.evicted or bool(forward.due)

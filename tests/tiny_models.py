@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import tempfile
@@ -12,6 +13,7 @@ import torch
 import transformers
 
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from kvcompress.scoring.kvzip import KVzip
 from kvcompress.scoring.registry import scorer_class
 from kvcompress.surrogate import load as load_surrogate
 from kvcompress.surrogate import random_surrogate
@@ -107,6 +109,25 @@ def kvzap_reference_scores(model, ids, arch="llama"):
         return {index: (layers[index].input_layernorm(residual[index])[0].double()
                         @ surrogate.weights[index].double().t() + surrogate.biases[index].double()).t()
                 for index in surrogate.weights}
+
+
+def kvzip_reference_scores(model, ids, params: KVCacheCompressionParameters) -> torch.Tensor:
+    """KVzip's scores by definition, (layers, H_kv, T): the most attention each slot of ``ids`` receives from any
+    query of any head of its group in the reconstruction passes, read from ``output_attentions`` of each pass run by
+    hand (``model`` eager) on a copy of the prompt's full cache."""
+    length = ids.shape[-1]
+    with torch.no_grad():
+        full = model(ids, use_cache=True).past_key_values
+        scorer = KVzip(params)
+        scorer.bind(model, TinyTokenizer())
+        groups = model.config.num_attention_heads // model.config.num_key_value_heads
+        expected = torch.zeros(model.config.num_hidden_layers, model.config.num_key_value_heads, length)
+        for (row,) in scorer.replay_inputs([ids[0].tolist()]):
+            replay = model(torch.tensor([row]), cache=copy.deepcopy(full), use_cache=True, output_attentions=True)
+            for layer, weights in enumerate(replay.attentions):  # (1, H, n, T + n)
+                per_kv = weights[0, :, :, :length].unflatten(0, (-1, groups)).amax(dim=(1, 2))
+                expected[layer] = torch.maximum(expected[layer], per_kv)
+    return expected
 
 
 BATCH_LENGTHS = (90, 61, 120, 37)  # the last one fits in the budget at first: it must evict on its own schedule

@@ -119,10 +119,10 @@ class KVzip(Scorer):
 
         Each pass is a forward of the decoder on top of the cache, at the positions that follow the prompt
         (``following`` (B, 1)); each sequence of a batch reconstructs its own ``selected`` tokens (B, q) bool
-        (left-padded to the longest; none for a sequence that fits its budget, which evicts nothing now, as it
-        would alone). The compressed layers drop the pass's slots right after their attention, so each pass sees
-        only the prompt and at most one layer at a time holds the extra chunk; sliding-window layers, which would
-        push prompt tokens out of their window, are restored afterwards.
+        (its real tokens, left-padded to the longest; a sequence that fits its budget is scored too, for the
+        chunk, turn or decode step that later takes it over). The compressed layers drop the pass's slots right
+        after their attention, so each pass sees only the prompt and at most one layer at a time holds the extra
+        chunk; sliding-window layers, which would push prompt tokens out of their window, are restored afterwards.
         """
         context = [row[valid].tolist() for row, valid in zip(tokens, selected.to(tokens.device))]
         sliding = {index: _layer_snapshot(cache.layers[index]) for index in sliding_layers

@@ -9,8 +9,6 @@
   (identical) query rotated to the next position, over the keys past the sinks.
 """
 
-import copy
-
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from kvcompress.rerotation import rotate_keys
 from kvcompress.scoring.expected_attention import N_SINK, ExpectedAttention
 from kvcompress.scoring.keydiff import KeyDiff
 from kvcompress.scoring.kvzip import FIRST_REQUEST, NEXT_REQUEST, TAIL_TOKENS, KVzip
-from tiny_models import TinyTokenizer, random_tokens, tiny_model
+from tiny_models import TinyTokenizer, kvzip_reference_scores, random_tokens, tiny_model
 
 PROMPT, CHUNK = 40, 16
 SIZES = dict(start_size=4, intermediate_size=12, recent_size=4)
@@ -68,21 +66,10 @@ def test_kvzip_scores_equal_eager_reconstruction_attention():
     model = tiny_model("llama", attn_implementation="eager")
     ids = random_tokens(PROMPT)
     params = KVCacheCompressionParameters(method="kvzip", scorer_options={"chunk_size": CHUNK}, **SIZES)
-    tokenizer = TinyTokenizer()
-    cache, states, timings = _prefill(model, ids, params, tokenizer)
-
-    with torch.no_grad():  # the reference: the full prompt cache, then each reconstruction pass on a copy of it
+    cache, states, timings = _prefill(model, ids, params, TinyTokenizer())
+    expected = kvzip_reference_scores(model, ids, params)
+    with torch.no_grad():
         full = model(ids, use_cache=True).past_key_values
-        scorer = KVzip(params)
-        scorer.bind(model, tokenizer)
-        groups = model.config.num_attention_heads // model.config.num_key_value_heads
-        expected = torch.zeros(model.config.num_hidden_layers, model.config.num_key_value_heads, PROMPT)
-        for (row,) in scorer.replay_inputs([ids[0].tolist()]):
-            replay = model(torch.tensor([row]), cache=copy.deepcopy(full), use_cache=True,
-                           output_attentions=True)
-            for layer, weights in enumerate(replay.attentions):  # (1, H, n, PROMPT + n)
-                per_kv = weights[0, :, :, :PROMPT].unflatten(0, (-1, groups)).amax(dim=(1, 2))
-                expected[layer] = torch.maximum(expected[layer], per_kv)
 
     assert timings["reconstruction"] > 0
     for layer in range(model.config.num_hidden_layers):
@@ -92,6 +79,19 @@ def test_kvzip_scores_equal_eager_reconstruction_attention():
         # no reconstruction slot is left: the cache holds exactly the prompt's own keys at the kept positions
         torch.testing.assert_close(cache.layers[layer].keys, full.layers[layer].keys[:, :, kept], rtol=0, atol=0)
     assert all(0.0 <= float(states[layer].head_scores.max()) <= 1.0 for layer in states)
+
+
+def test_kvzip_scores_a_prompt_that_fits_its_budget():
+    """Nothing is evicted now, but a later chunk, chat turn or decode step that goes over the budget evicts on
+    these scores: a prompt that fits is reconstructed all the same."""
+    model = tiny_model("llama", attn_implementation="eager")
+    params = KVCacheCompressionParameters(method="kvzip", scorer_options={"chunk_size": CHUNK}, **SIZES)
+    ids = random_tokens(params.max_cache_size - 2)
+    _, states, _ = _prefill(model, ids, params, TinyTokenizer())
+    expected = kvzip_reference_scores(model, ids, params)
+    for layer in range(model.config.num_hidden_layers):
+        assert _kept_positions(states, layer) == list(range(ids.shape[-1]))
+        torch.testing.assert_close(states[layer].head_scores[0], expected[layer], rtol=1e-4, atol=1e-6)
 
 
 def test_tova_keeps_what_the_last_query_attends_to_most():

@@ -12,7 +12,7 @@ import torch
 
 from kvcompress import KVCacheCompressor, compress
 from kvcompress.scoring.catalogue import SCORERS
-from tiny_models import TinyTokenizer, left_pad, random_tokens, scorer_parameters, tiny_model
+from tiny_models import TinyTokenizer, kvzip_reference_scores, left_pad, random_tokens, scorer_parameters, tiny_model
 
 CONTEXT = 300
 CHUNK = 64
@@ -85,6 +85,25 @@ def test_chunks_change_what_is_kept_but_not_how_much():
             kept.append(_kept(session))
     assert [len(layer[0]) for layer in kept[0]] == [len(layer[0]) for layer in kept[1]]
     assert kept[0] != kept[1]
+
+
+def test_kvzip_scores_a_first_chunk_that_fits_the_budget_by_its_own_reconstruction():
+    """The first chunk (44 tokens) fits the budget (56 slots): nothing is evicted after it, yet the next chunks
+    evict on its slots' scores, which must be at least those of its own reconstruction (later passes only raise
+    them), not only the attention the later chunks' reconstructions give it."""
+    model = tiny_model("llama", attn_implementation="eager")
+    params = scorer_parameters("kvzip", **SIZES)
+    ids = random_tokens(CONTEXT)
+    first = CONTEXT % CHUNK
+    assert first < params.max_cache_size
+    own = kvzip_reference_scores(model, ids[:, :first], params)
+    with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session:
+        session.prefill(ids, chunk_size=CHUNK)
+        for layer, state in enumerate(session.layers.values()):
+            positions = state.true_positions[0]
+            from_first = (positions < first) & state.slot_valid[0]
+            scores = state.head_scores[0][:, from_first]
+            assert bool((scores >= own[layer][:, positions[from_first]] - 1e-5).all()), layer
 
 
 def test_a_fractional_budget_is_a_fraction_of_the_whole_context():
