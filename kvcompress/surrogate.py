@@ -1,5 +1,6 @@
-"""KVzap's learned surrogates: per compressed layer, a linear map from the layer's input hidden states to one
-log-score per KV head, predicting what KVzip's reconstruction would give each token (arXiv 2601.07891).
+"""KVzap's learned surrogates: per compressed layer, a linear map (or a two-layer MLP with a GELU between, as in
+KVzap's paper) from the layer's input hidden states to one log-score per KV head, predicting what KVzip's
+reconstruction would give each token (arXiv 2601.07891).
 
 A ``Surrogate`` is small (a few hundred kilobytes for the embedded models), so trained ones ship inside the package
 (``kvcompress/data/kvzap/``, one file per embedded model) and others are files the user trains
@@ -35,22 +36,33 @@ class SurrogateMismatchError(ValueError):
 
 @dataclasses.dataclass
 class Surrogate:
-    """Per compressed layer: ``weights[layer]`` (H_kv, D) and ``biases[layer]`` (H_kv,), float32."""
+    """Per compressed layer: ``weights[layer]`` (H_kv, D) and ``biases[layer]`` (H_kv,), float32; an MLP has
+    ``hidden_weights[layer]`` (M, D) and ``hidden_biases[layer]`` (M,) before them, and then ``weights`` is
+    (H_kv, M)."""
 
     model_name: str
     fingerprint: str
     weights: dict[int, torch.Tensor]
     biases: dict[int, torch.Tensor]
     fit: dict[str, object] = dataclasses.field(default_factory=dict)  # how it was trained (corpus, correlation)
+    hidden_weights: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # empty for a linear map
+    hidden_biases: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return "mlp" if self.hidden_weights else "linear"
 
     def scores(self, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
         """Predicted log-scores (B, H_kv, q) of the tokens whose layer-input hidden states are (B, q, D)."""
-        weight, bias = self.weights[layer], self.biases[layer]
-        if weight.device != hidden_states.device:  # moved once per device, then kept
-            self.weights = {index: tensor.to(hidden_states.device) for index, tensor in self.weights.items()}
-            self.biases = {index: tensor.to(hidden_states.device) for index, tensor in self.biases.items()}
-            weight, bias = self.weights[layer], self.biases[layer]
-        return torch.addmm(bias, hidden_states.reshape(-1, weight.shape[1]).float(), weight.t()).view(
+        if self.weights[layer].device != hidden_states.device:  # moved once per device, then kept
+            for name in ("weights", "biases", "hidden_weights", "hidden_biases"):
+                setattr(self, name, {index: tensor.to(hidden_states.device)
+                                     for index, tensor in getattr(self, name).items()})
+        features = hidden_states.reshape(-1, hidden_states.shape[-1]).float()
+        if self.hidden_weights:
+            features = nn.functional.gelu(torch.addmm(self.hidden_biases[layer], features,
+                                                      self.hidden_weights[layer].t()))
+        return torch.addmm(self.biases[layer], features, self.weights[layer].t()).view(
             hidden_states.shape[0], hidden_states.shape[1], -1).transpose(1, 2)
 
     def save(self, path: str | Path) -> Path:
@@ -59,6 +71,9 @@ class Surrogate:
         for layer in sorted(self.weights):
             tensors[f"{layer}.weight"] = self.weights[layer].detach().float().cpu().contiguous()
             tensors[f"{layer}.bias"] = self.biases[layer].detach().float().cpu().contiguous()
+            if self.hidden_weights:
+                tensors[f"{layer}.hidden.weight"] = self.hidden_weights[layer].detach().float().cpu().contiguous()
+                tensors[f"{layer}.hidden.bias"] = self.hidden_biases[layer].detach().float().cpu().contiguous()
         metadata = {"format": FORMAT, "model_name": self.model_name, "fingerprint": self.fingerprint,
                     "checksum": _checksum(tensors), "fit": json.dumps(self.fit, sort_keys=True)}
         path = Path(path)
@@ -98,12 +113,16 @@ def _load(path: str, modified: int) -> Surrogate:  # keyed by modification time:
         model_name=metadata["model_name"], fingerprint=metadata["fingerprint"],
         weights={layer: tensors[f"{layer}.weight"] for layer in layers},
         biases={layer: tensors[f"{layer}.bias"] for layer in layers}, fit=json.loads(metadata.get("fit", "{}")),
+        hidden_weights={layer: tensors[f"{layer}.hidden.weight"] for layer in layers
+                        if f"{layer}.hidden.weight" in tensors},
+        hidden_biases={layer: tensors[f"{layer}.hidden.bias"] for layer in layers if f"{layer}.hidden.bias" in tensors},
     )
 
 
 def for_model(model: nn.Module, weights: str = "") -> Surrogate:
-    """The surrogate ``weights`` names for ``model``: a file path, an embedded model's name (its shipped weights),
-    or ``""``: the shipped weights whose fingerprint is this model's."""
+    """The surrogate ``weights`` names for ``model``: a file path, the name of a shipped file (``<model>`` or a
+    variant such as ``<model>-mlp``), or ``""``: the shipped file named after the model whose fingerprint is this
+    model's."""
     if weights:
         candidate = Path(weights)
         is_file = candidate.suffix == ".safetensors" or candidate.exists()
@@ -119,7 +138,7 @@ def for_model(model: nn.Module, weights: str = "") -> Surrogate:
     found = model_fingerprint(model)
     for path in sorted(SHIPPED.glob("*.safetensors")):
         surrogate = load(path)
-        if surrogate.fingerprint == found:
+        if surrogate.fingerprint == found and path.stem == surrogate.model_name:
             return surrogate
     raise ValueError(
         f"method='kvzap' has no shipped weights for this {type(model).__name__} (shipped: "
@@ -128,17 +147,25 @@ def for_model(model: nn.Module, weights: str = "") -> Surrogate:
     )
 
 
-def random_surrogate(model: nn.Module, seed: int = 0, name: str = "random") -> Surrogate:
-    """Weights with ``model``'s fingerprint and random values: what speed measurements (the cost does not depend
-    on the values) and mechanics tests use for models nobody trained a surrogate for."""
+def random_surrogate(model: nn.Module, seed: int = 0, name: str = "random",
+                     hidden_size: int | None = None) -> Surrogate:
+    """Weights with ``model``'s fingerprint and random values, linear or an MLP ``hidden_size`` wide: what speed
+    measurements (the cost does not depend on the values) and mechanics tests use for models nobody trained a
+    surrogate for."""
     config = text_config(model)
     generator = torch.Generator().manual_seed(seed)
     layers = inspect_model(model).compressed_layers
-    kv_heads, hidden = config.num_key_value_heads, config.hidden_size
+    kv_heads, width = config.num_key_value_heads, config.hidden_size
+    hidden_weights, hidden_biases = {}, {}
+    if hidden_size is not None:
+        hidden_weights = {layer: torch.randn(hidden_size, width, generator=generator) / width**0.5 for layer in layers}
+        hidden_biases = {layer: torch.randn(hidden_size, generator=generator) for layer in layers}
+        width = hidden_size
     return Surrogate(
         model_name=name, fingerprint=model_fingerprint(model),
-        weights={layer: torch.randn(kv_heads, hidden, generator=generator) / hidden**0.5 for layer in layers},
+        weights={layer: torch.randn(kv_heads, width, generator=generator) / width**0.5 for layer in layers},
         biases={layer: torch.randn(kv_heads, generator=generator) for layer in layers},
+        hidden_weights=hidden_weights, hidden_biases=hidden_biases,
     )
 
 

@@ -3,9 +3,11 @@
 For each context of the training corpus the model runs under KVzip: the prompt's forward records each compressed
 layer's input hidden states, the reconstruction passes give each token its KVzip score per KV head, and the target
 is the log of that score. Per layer a ridge regression (closed form, on standardised features) maps hidden states
-to targets; its sums are accumulated context by context, so memory does not grow with the corpus. A held-out part
-of the corpus picks the ridge strength and reports the fit: the rank correlation (Spearman) between predicted and
-KVzip scores, per layer, averaged over heads and contexts.
+to targets; its sums are accumulated context by context, so memory does not grow with the corpus. The MLP option
+(``hidden_size``) keeps the training tokens' hidden states instead (in bfloat16) and fits each layer's two-layer
+MLP with AdamW on mean squared error, with KVzap's own batch size, learning rate and epochs. A held-out part of the
+corpus picks the ridge strength and reports the fit: the rank correlation (Spearman) between predicted and KVzip
+scores, per layer, averaged over heads and contexts.
 
 The corpus is the Python language reference shipped with every CPython (``pydoc_data.topics``): offline wherever
 Python runs, English prose with code, numbers and identifiers, and unrelated to the evaluation texts (RULER's
@@ -33,6 +35,8 @@ SINKS = 4  # leading tokens left out of the fit: the start window always keeps t
 SCORE_FLOOR = 1e-6  # KVzip scores below it are one target value (log of 0 is not a target)
 RIDGE_STRENGTHS = (1e-3, 1e-2, 1e-1, 1.0)  # on standardised features; the held-out part picks one
 CORPUS = "pydoc_data.topics (the Python language reference shipped with CPython)"
+MLP_EPOCHS, MLP_BATCH, MLP_LEARNING_RATE = 15, 512, 5e-3  # KVzap's training script's defaults
+MLP_WEIGHT_DECAY = 1e-2  # AdamW's default: the corpus is small for a network of this size
 
 
 def corpus_texts() -> list[str]:
@@ -127,10 +131,40 @@ def spearman(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (first * second).sum(0) / (first.square().sum(0) * second.square().sum(0)).sqrt()
 
 
+def _fit_mlp(features: torch.Tensor, targets: torch.Tensor, hidden_size: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A two-layer MLP (D -> ``hidden_size`` -> GELU -> H) fitted to targets (N, H) from features (N, D), trained
+    on standardised features whose scaling is then folded into the first layer: (W1, b1, W2, b2), float32."""
+    generator = torch.Generator().manual_seed(seed)
+    mean = features.float().mean(0)
+    scale = features.float().std(0).clamp(min=1e-6)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        first, second = nn.Linear(features.shape[1], hidden_size), nn.Linear(hidden_size, targets.shape[1])
+    with torch.no_grad():
+        second.bias.copy_(targets.mean(0))
+    parameters = [*first.parameters(), *second.parameters()]
+    optimiser = torch.optim.AdamW(parameters, lr=MLP_LEARNING_RATE, weight_decay=MLP_WEIGHT_DECAY)
+    steps = MLP_EPOCHS * -(-features.shape[0] // MLP_BATCH)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimiser, steps)
+    for _ in range(MLP_EPOCHS):
+        for rows in torch.randperm(features.shape[0], generator=generator).split(MLP_BATCH):
+            predicted = second(nn.functional.gelu(first((features[rows].float() - mean) / scale)))
+            loss = nn.functional.mse_loss(predicted, targets[rows])
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            schedule.step()
+    with torch.no_grad():
+        weight = first.weight / scale
+        return weight, first.bias - weight @ mean, second.weight.clone(), second.bias.clone()
+
+
 def train_surrogate(model: nn.Module, tokenizer: Any, model_name: str, context_tokens: int = 2048,
-                    max_contexts: int | None = None, held_out: float = 0.2, log=print) -> Surrogate:
-    """Fit KVzap's linear surrogates for ``model`` on the corpus; ``held_out`` of its contexts (every k-th) pick
-    the ridge strength and measure the fit, recorded in ``Surrogate.fit``."""
+                    max_contexts: int | None = None, held_out: float = 0.2, hidden_size: int | None = None,
+                    log=print) -> Surrogate:
+    """Fit KVzap's surrogates for ``model`` on the corpus: linear ones, or with ``hidden_size`` two-layer MLPs;
+    ``held_out`` of its contexts (every k-th) pick the ridge strength and measure the fit, recorded in
+    ``Surrogate.fit``."""
     started = time.perf_counter()
     contexts = corpus_contexts(tokenizer, context_tokens)[:max_contexts]
     every = max(2, round(1 / held_out)) if held_out > 0 else None
@@ -139,31 +173,56 @@ def train_surrogate(model: nn.Module, tokenizer: Any, model_name: str, context_t
     if not training or not evaluation:
         raise ValueError(f"the corpus gives {len(contexts)} contexts of {context_tokens} tokens: too few to train "
                          f"and hold out {held_out:.0%}; lower context_tokens")
+    if hidden_size is not None and hidden_size < 1:
+        raise ValueError(f"hidden_size must be a positive integer (the MLP's width) or None, got {hidden_size}")
     layers = inspect_model(model).compressed_layers
     sums: dict[int, _RidgeSums] = {}
+    kept: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {layer: ([], []) for layer in layers}
     for number, ids in enumerate(training, 1):
         for layer, (hidden, target) in kvzip_observations(model, tokenizer, ids).items():
-            sums.setdefault(layer, _RidgeSums(hidden.shape[1], target.shape[1])).add(hidden[SINKS:], target[SINKS:])
+            if hidden_size is None:
+                sums.setdefault(layer, _RidgeSums(hidden.shape[1], target.shape[1])).add(hidden[SINKS:],
+                                                                                         target[SINKS:])
+            else:
+                kept[layer][0].append(hidden[SINKS:].bfloat16())
+                kept[layer][1].append(target[SINKS:])
         log(f"training context {number}/{len(training)} ({time.perf_counter() - started:.0f} s)")
-    candidates = {strength: {layer: sums[layer].solve(strength) for layer in layers} for strength in RIDGE_STRENGTHS}
-    correlation = {strength: {layer: 0.0 for layer in layers} for strength in RIDGE_STRENGTHS}
+    fingerprint = model_fingerprint(model)
+    if hidden_size is None:
+        candidates = {}
+        for strength in RIDGE_STRENGTHS:
+            solved = {layer: sums[layer].solve(strength) for layer in layers}
+            candidates[strength] = Surrogate(model_name, fingerprint, weights={k: v[0] for k, v in solved.items()},
+                                             biases={k: v[1] for k, v in solved.items()})
+    else:
+        fitted = {}
+        for layer in layers:
+            fitted[layer] = _fit_mlp(torch.cat(kept[layer][0]), torch.cat(kept[layer][1]), hidden_size, seed=layer)
+            kept[layer] = ([], [])
+            log(f"layer {layer}'s MLP fitted ({time.perf_counter() - started:.0f} s)")
+        candidates = {None: Surrogate(
+            model_name, fingerprint, hidden_weights={k: v[0] for k, v in fitted.items()},
+            hidden_biases={k: v[1] for k, v in fitted.items()}, weights={k: v[2] for k, v in fitted.items()},
+            biases={k: v[3] for k, v in fitted.items()})}
+    correlation = {strength: {layer: 0.0 for layer in layers} for strength in candidates}
     for number, ids in enumerate(evaluation, 1):
         for layer, (hidden, target) in kvzip_observations(model, tokenizer, ids).items():
-            for strength, fitted in candidates.items():
-                weight, bias = fitted[layer]
-                predicted = torch.addmm(bias, hidden[SINKS:], weight.t())
+            for strength, candidate in candidates.items():
+                predicted = candidate.scores(layer, hidden[None, SINKS:])[0].t()
                 correlation[strength][layer] += spearman(predicted, target[SINKS:]).mean().item() / len(evaluation)
         log(f"held-out context {number}/{len(evaluation)} ({time.perf_counter() - started:.0f} s)")
-    best = max(RIDGE_STRENGTHS, key=lambda strength: sum(correlation[strength].values()))
-    fit = {
+    best = max(candidates, key=lambda strength: sum(correlation[strength].values()))
+    surrogate = candidates[best]
+    surrogate.fit = {
         "corpus": CORPUS, "context_tokens": context_tokens, "training_contexts": len(training),
-        "held_out_contexts": len(evaluation), "ridge_strength": best, "seconds": round(time.perf_counter() - started),
+        "held_out_contexts": len(evaluation), "seconds": round(time.perf_counter() - started),
         "spearman": {str(layer): round(correlation[best][layer], 4) for layer in layers},
         "torch": torch.__version__, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        **({"ridge_strength": best} if hidden_size is None else {
+            "hidden_size": hidden_size, "epochs": MLP_EPOCHS, "batch": MLP_BATCH,
+            "learning_rate": MLP_LEARNING_RATE, "weight_decay": MLP_WEIGHT_DECAY}),
     }
-    return Surrogate(model_name=model_name, fingerprint=model_fingerprint(model),
-                     weights={layer: candidates[best][layer][0] for layer in layers},
-                     biases={layer: candidates[best][layer][1] for layer in layers}, fit=fit)
+    return surrogate
 
 
 def fit_report(surrogate: Surrogate) -> str:
@@ -171,13 +230,20 @@ def fit_report(surrogate: Surrogate) -> str:
     fit = surrogate.fit
     lines = [f"# KVzap surrogate for {surrogate.model_name}", "",
              f"Corpus: {fit['corpus']}; {fit['training_contexts']} training and {fit['held_out_contexts']} held-out "
-             f"contexts of {fit['context_tokens']} tokens; ridge strength {fit['ridge_strength']}; "
+             f"contexts of {fit['context_tokens']} tokens; {_model_description(fit)}; "
              f"{fit['seconds']} s; model in {fit['dtype']}, torch {fit['torch']}.", "",
              "| layer | held-out Spearman (predicted vs KVzip scores, mean over KV heads) |", "|---|---|"]
     lines += [f"| {layer} | {value:.3f} |" for layer, value in fit["spearman"].items()]
     values = list(fit["spearman"].values())
     lines.append(f"| mean | {sum(values) / len(values):.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def _model_description(fit: dict) -> str:
+    if "hidden_size" in fit:
+        return (f"MLP {fit['hidden_size']} wide (GELU), {fit['epochs']} epochs of AdamW (batch {fit['batch']}, "
+                f"learning rate {fit['learning_rate']}, weight decay {fit['weight_decay']}, cosine schedule)")
+    return f"linear, ridge strength {fit['ridge_strength']}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-contexts", type=int, default=None, help="use only the corpus's first N contexts")
     parser.add_argument("--held-out", type=float, default=0.2, help="the fraction of contexts held out (0-0.5)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--hidden-size", type=int, default=None,
+                        help="fit two-layer MLPs this wide instead of linear maps (the file gets a -mlp suffix)")
     return parser
 
 
@@ -206,9 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"--context-tokens must be at least 64, got {args.context_tokens}")
     name = embedded_model(args.model).name
     model, tokenizer = load_model(name, dtype=getattr(torch, args.dtype))
+    if args.hidden_size is not None and args.hidden_size < 1:
+        build_parser().error(f"--hidden-size must be a positive integer, got {args.hidden_size}")
     surrogate = train_surrogate(model, tokenizer, name, args.context_tokens, args.max_contexts, args.held_out,
-                                log=lambda line: print(line, file=sys.stderr, flush=True))
-    out = args.out if args.out.suffix == ".safetensors" else args.out / f"{name}.safetensors"
+                                args.hidden_size, log=lambda line: print(line, file=sys.stderr, flush=True))
+    suffix = "" if args.hidden_size is None else "-mlp"
+    out = args.out if args.out.suffix == ".safetensors" else args.out / f"{name}{suffix}.safetensors"
     surrogate.save(out)
     report = fit_report(surrogate)
     out.with_suffix(".md").write_text(report)

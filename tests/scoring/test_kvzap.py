@@ -10,7 +10,7 @@ import torch
 
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress import surrogate as surrogates
-from kvcompress.train_scorer import _RidgeSums, fit_report, spearman, train_surrogate
+from kvcompress.train_scorer import _fit_mlp, _RidgeSums, fit_report, spearman, train_surrogate
 from tiny_models import (
     TinyTokenizer,
     kvzap_reference_scores,
@@ -120,3 +120,47 @@ def test_training_on_a_tiny_model_gives_weights_that_load_for_it(tmp_path):
     with KVCacheCompressor(params)(model), torch.no_grad():
         cache = model(random_tokens(PROMPT), use_cache=True).past_key_values
     assert cache.layers[0].keys.shape[-2] == 28
+    mlp = train_surrogate(model, TinyTokenizer(), "tiny-llama", context_tokens=96, max_contexts=4, held_out=0.25,
+                          hidden_size=8, log=lambda line: None)
+    assert mlp.kind == "mlp" and mlp.fit["hidden_size"] == 8 and "MLP 8 wide" in fit_report(mlp)
+    assert all(-1 <= v <= 1 for v in mlp.fit["spearman"].values())
+
+
+def test_mlp_surrogate_scores_by_their_definition_and_survive_a_round_trip(tmp_path):
+    model = tiny_model("llama")
+    surrogate = surrogates.random_surrogate(model, name="tiny-llama", hidden_size=16)
+    hidden = torch.randn(2, 7, model.config.hidden_size)
+    for layer in surrogate.weights:
+        inner = torch.nn.functional.gelu(hidden.double() @ surrogate.hidden_weights[layer].double().t()
+                                         + surrogate.hidden_biases[layer].double())
+        expected = (inner @ surrogate.weights[layer].double().t() + surrogate.biases[layer].double()).transpose(1, 2)
+        torch.testing.assert_close(surrogate.scores(layer, hidden).double(), expected, rtol=1e-5, atol=1e-5)
+    loaded = surrogates.load(surrogate.save(tmp_path / "tiny-llama-mlp.safetensors"))
+    assert loaded.kind == "mlp" and surrogates.load(random_kvzap_weights("llama")).kind == "linear"
+    for layer in surrogate.weights:
+        torch.testing.assert_close(loaded.scores(layer, hidden), surrogate.scores(layer, hidden), rtol=0, atol=0)
+
+
+def test_the_default_weights_are_the_file_named_after_the_model_and_variants_go_by_name(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setattr(surrogates, "SHIPPED", tmp_path)
+    surrogates.random_surrogate(model, name="tiny-llama").save(tmp_path / "tiny-llama.safetensors")
+    surrogates.random_surrogate(model, name="tiny-llama", hidden_size=8).save(tmp_path / "tiny-llama-mlp.safetensors")
+    assert surrogates.for_model(model).kind == "linear"  # "-mlp" sorts first, and is not the default
+    assert surrogates.for_model(model, "tiny-llama-mlp").kind == "mlp"
+
+
+def test_mlp_fit_learns_what_a_linear_map_cannot():
+    """A target that is the absolute value of one feature: no linear map ranks it; the MLP does."""
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(4096, 6, generator=generator)
+    targets = torch.stack([features[:, 0].abs(), features[:, 1]], 1)
+    first_weight, first_bias, second_weight, second_bias = _fit_mlp(features.bfloat16(), targets, 32, seed=0)
+    held_out = torch.randn(1000, 6, generator=generator)
+    expected = torch.stack([held_out[:, 0].abs(), held_out[:, 1]], 1)
+    predicted = torch.nn.functional.gelu(held_out @ first_weight.t() + first_bias) @ second_weight.t() + second_bias
+    assert spearman(predicted, expected).min().item() > 0.9
+    sums = _RidgeSums(6, 2)
+    sums.add(features, targets)
+    weight, bias = sums.solve(1e-3)
+    assert spearman(held_out @ weight.t() + bias, expected)[0].item() < 0.2
