@@ -2,8 +2,9 @@
 KVzap's paper) from the layer's input hidden states to one log-score per KV head, predicting what KVzip's
 reconstruction would give each token (arXiv 2601.07891).
 
-A ``Surrogate`` is small (a few hundred kilobytes for the embedded models), so trained ones ship inside the package
-(``kvcompress/data/kvzap/``, one file per embedded model) and others are files the user trains
+A ``Surrogate`` is small next to its model (a linear map per layer, or an MLP a few dozen units wide), so trained
+ones ship inside the package (``kvcompress/data/kvzap/``: ``<model>``, the default, and variants such as
+``<model>-mlp``) and others are files the user trains
 (``kvcompress-train-scorer``). Weights only make sense for the model they were fitted to: each file records the
 model's fingerprint (its architecture's dimensions and the output projections of its first and last compressed
 layers, rounded to bfloat16 so that the same model loaded in float32 or bfloat16 matches) and a checksum of its own

@@ -165,6 +165,8 @@ def train_surrogate(model: nn.Module, tokenizer: Any, model_name: str, context_t
     """Fit KVzap's surrogates for ``model`` on the corpus: linear ones, or with ``hidden_size`` two-layer MLPs;
     ``held_out`` of its contexts (every k-th) pick the ridge strength and measure the fit, recorded in
     ``Surrogate.fit``."""
+    if hidden_size is not None and hidden_size < 1:
+        raise ValueError(f"hidden_size must be a positive integer (the MLP's width) or None, got {hidden_size}")
     started = time.perf_counter()
     contexts = corpus_contexts(tokenizer, context_tokens)[:max_contexts]
     every = max(2, round(1 / held_out)) if held_out > 0 else None
@@ -173,8 +175,6 @@ def train_surrogate(model: nn.Module, tokenizer: Any, model_name: str, context_t
     if not training or not evaluation:
         raise ValueError(f"the corpus gives {len(contexts)} contexts of {context_tokens} tokens: too few to train "
                          f"and hold out {held_out:.0%}; lower context_tokens")
-    if hidden_size is not None and hidden_size < 1:
-        raise ValueError(f"hidden_size must be a positive integer (the MLP's width) or None, got {hidden_size}")
     layers = inspect_model(model).compressed_layers
     sums: dict[int, _RidgeSums] = {}
     kept: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {layer: ([], []) for layer in layers}
@@ -272,10 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"--held-out must be in (0, 0.5], got {args.held_out}")
     if args.context_tokens < 64:
         build_parser().error(f"--context-tokens must be at least 64, got {args.context_tokens}")
-    name = embedded_model(args.model).name
-    model, tokenizer = load_model(name, dtype=getattr(torch, args.dtype))
     if args.hidden_size is not None and args.hidden_size < 1:
         build_parser().error(f"--hidden-size must be a positive integer, got {args.hidden_size}")
+    name = embedded_model(args.model).name
+    model, tokenizer = load_model(name, dtype=getattr(torch, args.dtype))
     surrogate = train_surrogate(model, tokenizer, name, args.context_tokens, args.max_contexts, args.held_out,
                                 args.hidden_size, log=lambda line: print(line, file=sys.stderr, flush=True))
     suffix = "" if args.hidden_size is None else "-mlp"
