@@ -159,6 +159,59 @@ def _fit_mlp(features: torch.Tensor, targets: torch.Tensor, hidden_size: int, se
         return weight, first.bias - weight @ mean, second.weight.clone(), second.bias.clone()
 
 
+class _LinearFit:
+    """Linear surrogates: ridge sums per layer, accumulated context by context; one candidate per ridge strength
+    (the held-out contexts pick one)."""
+
+    def __init__(self):
+        self.sums: dict[int, _RidgeSums] = {}
+
+    def add(self, layer: int, hidden: torch.Tensor, target: torch.Tensor) -> None:
+        self.sums.setdefault(layer, _RidgeSums(hidden.shape[1], target.shape[1])).add(hidden, target)
+
+    def candidates(self, model_name: str, fingerprint: str, log) -> dict[Any, Surrogate]:
+        candidates = {}
+        for strength in RIDGE_STRENGTHS:
+            solved = {layer: sums.solve(strength) for layer, sums in self.sums.items()}
+            candidates[strength] = Surrogate(model_name, fingerprint, weights={k: v[0] for k, v in solved.items()},
+                                             biases={k: v[1] for k, v in solved.items()})
+        return candidates
+
+    @staticmethod
+    def settings(chosen: Any) -> dict:
+        return {"ridge_strength": chosen}
+
+
+class _MLPFit:
+    """MLP surrogates ``hidden_size`` wide: the training tokens' hidden states are kept (bfloat16) and each layer's
+    MLP is fitted once all are in; a single candidate."""
+
+    def __init__(self, hidden_size: int):
+        self.hidden_size = hidden_size
+        self.kept: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def add(self, layer: int, hidden: torch.Tensor, target: torch.Tensor) -> None:
+        features, targets = self.kept.setdefault(layer, ([], []))
+        features.append(hidden.bfloat16())
+        targets.append(target)
+
+    def candidates(self, model_name: str, fingerprint: str, log) -> dict[Any, Surrogate]:
+        fitted = {}
+        started = time.perf_counter()
+        for layer in list(self.kept):
+            features, targets = self.kept.pop(layer)
+            fitted[layer] = _fit_mlp(torch.cat(features), torch.cat(targets), self.hidden_size, seed=layer)
+            log(f"layer {layer}'s MLP fitted ({time.perf_counter() - started:.0f} s of fitting)")
+        return {None: Surrogate(
+            model_name, fingerprint, hidden_weights={k: v[0] for k, v in fitted.items()},
+            hidden_biases={k: v[1] for k, v in fitted.items()}, weights={k: v[2] for k, v in fitted.items()},
+            biases={k: v[3] for k, v in fitted.items()})}
+
+    def settings(self, chosen: Any) -> dict:
+        return {"hidden_size": self.hidden_size, "epochs": MLP_EPOCHS, "batch": MLP_BATCH,
+                "learning_rate": MLP_LEARNING_RATE, "weight_decay": MLP_WEIGHT_DECAY}
+
+
 def train_surrogate(model: nn.Module, tokenizer: Any, model_name: str, context_tokens: int = 2048,
                     max_contexts: int | None = None, held_out: float = 0.2, hidden_size: int | None = None,
                     log=print) -> Surrogate:
@@ -176,51 +229,27 @@ def train_surrogate(model: nn.Module, tokenizer: Any, model_name: str, context_t
         raise ValueError(f"the corpus gives {len(contexts)} contexts of {context_tokens} tokens: too few to train "
                          f"and hold out {held_out:.0%}; lower context_tokens")
     layers = inspect_model(model).compressed_layers
-    sums: dict[int, _RidgeSums] = {}
-    kept: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {layer: ([], []) for layer in layers}
+    fit = _LinearFit() if hidden_size is None else _MLPFit(hidden_size)
     for number, ids in enumerate(training, 1):
         for layer, (hidden, target) in kvzip_observations(model, tokenizer, ids).items():
-            if hidden_size is None:
-                sums.setdefault(layer, _RidgeSums(hidden.shape[1], target.shape[1])).add(hidden[SINKS:],
-                                                                                         target[SINKS:])
-            else:
-                kept[layer][0].append(hidden[SINKS:].bfloat16())
-                kept[layer][1].append(target[SINKS:])
+            fit.add(layer, hidden[SINKS:], target[SINKS:])
         log(f"training context {number}/{len(training)} ({time.perf_counter() - started:.0f} s)")
-    fingerprint = model_fingerprint(model)
-    if hidden_size is None:
-        candidates = {}
-        for strength in RIDGE_STRENGTHS:
-            solved = {layer: sums[layer].solve(strength) for layer in layers}
-            candidates[strength] = Surrogate(model_name, fingerprint, weights={k: v[0] for k, v in solved.items()},
-                                             biases={k: v[1] for k, v in solved.items()})
-    else:
-        fitted = {}
-        for layer in layers:
-            fitted[layer] = _fit_mlp(torch.cat(kept[layer][0]), torch.cat(kept[layer][1]), hidden_size, seed=layer)
-            kept[layer] = ([], [])
-            log(f"layer {layer}'s MLP fitted ({time.perf_counter() - started:.0f} s)")
-        candidates = {None: Surrogate(
-            model_name, fingerprint, hidden_weights={k: v[0] for k, v in fitted.items()},
-            hidden_biases={k: v[1] for k, v in fitted.items()}, weights={k: v[2] for k, v in fitted.items()},
-            biases={k: v[3] for k, v in fitted.items()})}
-    correlation = {strength: {layer: 0.0 for layer in layers} for strength in candidates}
+    candidates = fit.candidates(model_name, model_fingerprint(model), log)
+    correlation = {key: {layer: 0.0 for layer in layers} for key in candidates}
     for number, ids in enumerate(evaluation, 1):
         for layer, (hidden, target) in kvzip_observations(model, tokenizer, ids).items():
-            for strength, candidate in candidates.items():
+            for key, candidate in candidates.items():
                 predicted = candidate.scores(layer, hidden[None, SINKS:])[0].t()
-                correlation[strength][layer] += spearman(predicted, target[SINKS:]).mean().item() / len(evaluation)
+                correlation[key][layer] += spearman(predicted, target[SINKS:]).mean().item() / len(evaluation)
         log(f"held-out context {number}/{len(evaluation)} ({time.perf_counter() - started:.0f} s)")
-    best = max(candidates, key=lambda strength: sum(correlation[strength].values()))
+    best = max(candidates, key=lambda key: sum(correlation[key].values()))
     surrogate = candidates[best]
     surrogate.fit = {
         "corpus": CORPUS, "context_tokens": context_tokens, "training_contexts": len(training),
         "held_out_contexts": len(evaluation), "seconds": round(time.perf_counter() - started),
         "spearman": {str(layer): round(correlation[best][layer], 4) for layer in layers},
         "torch": torch.__version__, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        **({"ridge_strength": best} if hidden_size is None else {
-            "hidden_size": hidden_size, "epochs": MLP_EPOCHS, "batch": MLP_BATCH,
-            "learning_rate": MLP_LEARNING_RATE, "weight_decay": MLP_WEIGHT_DECAY}),
+        **fit.settings(best),
     }
     return surrogate
 
