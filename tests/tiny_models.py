@@ -114,7 +114,7 @@ def kvzap_reference_scores(model, ids, arch="llama"):
 def kvzip_reference_scores(model, ids, params: KVCacheCompressionParameters) -> torch.Tensor:
     """KVzip's scores by definition, (layers, H_kv, T): the most attention each slot of ``ids`` receives from any
     query of any head of its group in the reconstruction passes, read from ``output_attentions`` of each pass run by
-    hand (``model`` eager) on a copy of the prompt's full cache."""
+    hand (``model`` eager) on a copy of the prompt's full cache (zero in sliding-window layers)."""
     length = ids.shape[-1]
     with torch.no_grad():
         full = model(ids, use_cache=True).past_key_values
@@ -125,6 +125,8 @@ def kvzip_reference_scores(model, ids, params: KVCacheCompressionParameters) -> 
         for (row,) in scorer.replay_inputs([ids[0].tolist()]):
             replay = model(torch.tensor([row]), cache=copy.deepcopy(full), use_cache=True, output_attentions=True)
             for layer, weights in enumerate(replay.attentions):  # (1, H, n, T + n)
+                if weights.shape[-1] != length + len(row):  # a sliding-window layer (never compressed): no scores
+                    continue
                 per_kv = weights[0, :, :, :length].unflatten(0, (-1, groups)).amax(dim=(1, 2))
                 expected[layer] = torch.maximum(expected[layer], per_kv)
     return expected

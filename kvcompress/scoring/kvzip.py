@@ -127,18 +127,18 @@ class KVzip(Scorer):
         context = [row[valid].tolist() for row, valid in zip(tokens, selected.to(tokens.device))]
         sliding = {index: _layer_snapshot(cache.layers[index]) for index in sliding_layers
                    if index < len(cache.layers)}
-        try:
-            for rows in self.replay_inputs(context):
-                width = max(len(row) for row in rows)
-                ids = torch.tensor([[0] * (width - len(row)) + row for row in rows], device=tokens.device)
-                real = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], device=tokens.device)
-                mask = torch.cat([torch.ones(len(rows), cache.get_seq_length(), dtype=real.dtype,
-                                             device=real.device), real], dim=-1)
-                positions = following.to(real.device) + (real.cumsum(-1) - 1).clamp(min=0)
+        for rows in self.replay_inputs(context):
+            width = max(len(row) for row in rows)
+            ids = torch.tensor([[0] * (width - len(row)) + row for row in rows], device=tokens.device)
+            real = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], device=tokens.device)
+            mask = torch.cat([torch.ones(len(rows), cache.get_seq_length(), dtype=real.dtype,
+                                         device=real.device), real], dim=-1)
+            positions = following.to(real.device) + (real.cumsum(-1) - 1).clamp(min=0)
+            try:
                 decoder(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-        finally:
-            for index, snapshot in sliding.items():
-                cache.layers[index].__dict__.update(snapshot)
+            finally:  # every pass sees the prompt alone: a sliding layer's window (and length) as the prompt left it
+                for index, snapshot in sliding.items():
+                    cache.layers[index].__dict__.update(snapshot)
 
 
 def _layer_snapshot(layer) -> dict:

@@ -81,6 +81,23 @@ def test_kvzip_scores_equal_eager_reconstruction_attention():
     assert all(0.0 <= float(states[layer].head_scores.max()) <= 1.0 for layer in states)
 
 
+def test_kvzip_scores_every_pass_over_the_prompt_alone_in_a_model_with_sliding_layers():
+    """Each reconstruction pass sees the prompt's cache and nothing else: a sliding-window layer holding the
+    previous pass's tokens would shift every later pass's masks and windows (Gemma 3 lost its needles)."""
+    model = tiny_model("gemma3", attn_implementation="eager")
+    ids = random_tokens(PROMPT)
+    params = KVCacheCompressionParameters(method="kvzip", scorer_options={"chunk_size": CHUNK}, **SIZES)
+    scorer = KVzip(params)
+    scorer.bind(model, TinyTokenizer())
+    assert len(scorer.replay_inputs([ids[0].tolist()])) == 3
+    _, states, _ = _prefill(model, ids, params, TinyTokenizer())
+    expected = kvzip_reference_scores(model, ids, params)
+    assert list(states) == [1]  # the full-attention layer; its neighbours slide
+    kept = _kept_positions(states, 1)
+    assert kept == _expected_kept(expected[1].sum(0), params)
+    torch.testing.assert_close(states[1].head_scores[0], expected[1][:, kept], rtol=1e-4, atol=1e-6)
+
+
 def test_kvzip_scores_a_prompt_that_fits_its_budget():
     """Nothing is evicted now, but a later chunk, chat turn or decode step that goes over the budget evicts on
     these scores: a prompt that fits is reconstructed all the same."""
