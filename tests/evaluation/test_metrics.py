@@ -179,7 +179,8 @@ def test_retrieval_needs_paragraph_n_in_the_answer():
         retrieval_score("7", "7")
 
 
-@pytest.mark.parametrize("prediction, expected", [("段落5", 1.0), ("第5段", 1.0), ("段落五", 0.0), ("段落5和段落6", 0.5)])  # noqa: E501
+@pytest.mark.parametrize("prediction, expected",
+                         [("段落5", 1.0), ("第5段", 1.0), ("段落五", 0.0), ("段落5和段落6", 0.5)])
 def test_retrieval_zh_score(prediction, expected):
     assert retrieval_zh_score(prediction, "段落5") == expected
 
