@@ -32,7 +32,7 @@ DEMO_ANSWER = "Trondheim"
 DEFAULT_BUDGET = "20%"
 # KVzip keeps what the model needs to reproduce the document: on the demo in bfloat16 it answers where SnapKV at the
 # same budget names the wrong city, and on RULER's needles it keeps the most
-# (results/ruler_smollm2/ruler.md).
+# (results/ruler_runner_smollm2_2k/scores.md).
 DEFAULT_METHOD = "kvzip"
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 SIZE_OPTIONS = ("start_size", "intermediate_size", "recent_size")
