@@ -122,7 +122,8 @@ class KVzip(Scorer):
         (its real tokens, left-padded to the longest; a sequence that fits its budget is scored too, for the
         chunk, turn or decode step that later takes it over). The compressed layers drop the pass's slots right
         after their attention, so each pass sees only the prompt and at most one layer at a time holds the extra
-        chunk; sliding-window layers, which would push prompt tokens out of their window, are restored afterwards.
+        chunk; sliding-window layers, which would push prompt tokens out of their window, are restored after every
+        pass (holding the previous pass, they would shift the next one's masks and windows).
         """
         context = [row[valid].tolist() for row, valid in zip(tokens, selected.to(tokens.device))]
         sliding = {index: _layer_snapshot(cache.layers[index]) for index in sliding_layers
