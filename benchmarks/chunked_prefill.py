@@ -66,7 +66,7 @@ def measure_one(model_name: str, method: str, budget: int | float, length: int, 
 def run(args: argparse.Namespace) -> list[dict]:
     """Every (length, mode) in a child process of its own."""
     rows = []
-    modes = [FULL, ONE_SHOT, *(f"chunk-{size}" for size in args.chunk_sizes)]
+    modes = [FULL, *([ONE_SHOT] if args.one_shot else []), *(f"chunk-{size}" for size in args.chunk_sizes)]
     for length in args.lengths:
         for mode in modes:
             command = [sys.executable, __file__, "--one", str(length), mode, "--model", args.model, "--method",
@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192])
     parser.add_argument("--chunk-sizes", nargs="+", type=int, default=[1024])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-one-shot", dest="one_shot", action="store_false",
+                        help="leave out the one-shot prefill (at the longest contexts it alone takes most of the run)")
     parser.add_argument("--one", nargs=2, metavar=("LENGTH", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help="write <out>.json and <out>.md")
     args = parser.parse_args(argv)
