@@ -33,6 +33,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         command.add_argument(
             "--settings", nargs="+", metavar="NAME", help="only these compression settings (default: all)"
         )
+        if name != "evaluate":
+            command.add_argument(
+                "--tasks", nargs="+", metavar="NAME", help="predict only these tasks (default: all of the file's)"
+            )
 
 
 def run(arguments: argparse.Namespace, prog: str, default_benchmark: str) -> int:
@@ -43,6 +47,7 @@ def run(arguments: argparse.Namespace, prog: str, default_benchmark: str) -> int
         shard = Shard.from_env()
         experiment = load_experiment(arguments.config, default_benchmark)
         settings = experiment.select_settings(arguments.settings)
+        tasks = experiment.select_tasks(getattr(arguments, "tasks", None))
     except (ConfigError, ValueError, FileNotFoundError) as error:  # ValueError: a bad RANK / WORLD_SIZE
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
@@ -50,7 +55,7 @@ def run(arguments: argparse.Namespace, prog: str, default_benchmark: str) -> int
         if arguments.command in ("run", "predict"):
             from .predict import predict_experiment  # torch and transformers load only when generating
 
-            predict_experiment(experiment, settings, shard)
+            predict_experiment(experiment, settings, shard, tasks)
         if arguments.command in ("run", "evaluate") and shard.is_main:
             from .evaluate import evaluate_experiment
 

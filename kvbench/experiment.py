@@ -122,6 +122,16 @@ class Experiment:
             raise ConfigError(f"--settings: unknown setting(s) {unknown}; this experiment has {sorted(known)}")
         return [setting for setting in self.settings if setting.name in names]
 
+    def select_tasks(self, names: list[str] | None) -> list[str]:
+        """The tasks named on the command line (all when ``names`` is None), in config order: a sweep over the
+        tasks the full cache solves need not predict the others."""
+        if names is None:
+            return list(self.tasks)
+        unknown = [name for name in names if name not in self.tasks]
+        if unknown:
+            raise ConfigError(f"--tasks: unknown task(s) {unknown}; this experiment has {list(self.tasks)}")
+        return [task for task in self.tasks if task in names]
+
 
 # ---------------------------------------------------------------------------------------------- sections
 def _parse_model(value: Any) -> ModelSpec:

@@ -135,14 +135,16 @@ def _check_pipeline(experiment: Experiment, setting: CompressionSetting, dtype: 
     staging.replace(path)  # ranks may race here; they write the same content
 
 
-def predict_experiment(experiment: Experiment, settings: Sequence[CompressionSetting], shard: Shard) -> None:
-    """Predicts every (setting, task) pair on this rank; rank 0 then merges all ranks' files."""
+def predict_experiment(experiment: Experiment, settings: Sequence[CompressionSetting], shard: Shard,
+                       tasks: Sequence[str] | None = None) -> None:
+    """Predicts every (setting, task) pair on this rank (``tasks``: the experiment's by default); rank 0 then merges
+    all ranks' files."""
     dtype = computed_dtype(experiment.model, shard)
     for setting in settings:
         _check_pipeline(experiment, setting, dtype)
     benchmark = experiment.benchmark
     records = {}
-    for task in experiment.tasks:
+    for task in experiment.tasks if tasks is None else tasks:
         try:
             records[task] = benchmark.load_records(experiment.options, task, experiment.output_dir)[: experiment.limit]
         except benchmark.unavailable as error:

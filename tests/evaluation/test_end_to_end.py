@@ -84,6 +84,19 @@ def test_rerunning_a_finished_experiment_changes_nothing(reference):
     assert _outputs(reference) == before
 
 
+def test_tasks_option_predicts_only_the_named_tasks(reference, tmp_path, make_config, capsys):
+    """`run --tasks` (a sweep over the tasks the full cache solves) writes those tasks' files, equal to the
+    all-task run's, and no other; an unknown name is refused before the model loads."""
+    config = str(make_config(tmp_path, tasks=TASK_SPEC, compression=SETTINGS))
+    assert main(["predict", config, "--tasks", "narrativeqa_e"]) == 2
+    assert "--tasks: unknown task(s) ['narrativeqa_e']" in capsys.readouterr().err
+    named = ["qasper", "trec_e"]
+    assert main(["run", config, "--tasks", *named]) == 0
+    predicted = {path.relative_to(tmp_path / "out").as_posix() for path in (tmp_path / "out").rglob("*.jsonl")}
+    assert predicted == set(_outputs(reference, tasks=named)) and len(predicted) == 2 * len(named)
+    assert _outputs(tmp_path / "out", tasks=named) == _outputs(reference, tasks=named)
+
+
 def test_crash_mid_run_then_resume_gives_identical_files(reference, tmp_path, make_config, monkeypatch):
     config = make_config(tmp_path, tasks=TASK_SPEC, compression=SETTINGS)
     real, calls = kvbench.predict.generate_prediction, []
