@@ -67,17 +67,18 @@ class CompressedLayer(DynamicLayer):
         """Key and value bytes one token takes in this layer (every head's slot of it, folded or not)."""
         return (self.keys[..., :1, :].nbytes + self.values[..., :1, :].nbytes) * (self.folded_heads or 1)
 
-    def own_attention(self, query, key, value, layout: torch.Tensor, scaling: float,
-                      softcap: float | None) -> torch.Tensor | None:
+    def own_attention(self, query, key, value, layout: torch.Tensor, scaling: float, softcap: float | None,
+                      observed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The attention output of a layer whose layout the model's attention cannot take (a folded one:
-        ``ragged.folded_attention`` over its per-head slots, ``layout`` its slots' validity this forward), else
-        None (the scorer's pass or the model's own function computes it)."""
+        ``ragged.folded_attention`` over its per-head slots, ``layout`` its slots' validity this forward), with the
+        most attention the ``observed`` queries give each slot (B, 1, M) where asked; None for any other layer
+        (the scorer's pass or the model's own function computes it)."""
         if self.folded_heads is None:
             return None
         batch, _, length, _ = query.shape
         heads = torch.cat([self.state.slot_head, folded_head_of_new(self.folded_heads, length, batch, query.device)],
                           dim=-1)
-        return folded_attention(query, key, value, layout, heads, self.folded_heads, scaling, softcap)
+        return folded_attention(query, key, value, layout, heads, self.folded_heads, scaling, softcap, observed)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
@@ -111,12 +112,20 @@ class CompressedLayer(DynamicLayer):
         self.values = fold_kept(self.values, source)
         self.state.fold_heads(source, valid)
 
-    def drop_newest(self, count: int) -> None:
-        """Forget the last ``count`` slots, as if never seen (a context-reconstruction pass's own tokens)."""
-        kept = self.physical_length - count
+    def keep_folded(self, keep: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keep the slots of a folded layer that its heads' rows (``ragged.head_grid``'s ``index`` and ``valid``,
+        (B, H_kv, W)) kept (``keep``, same shape), in slot order: the layer stays folded."""
+        kept = torch.zeros_like(self.state.slot_valid, dtype=torch.long)
+        kept.scatter_add_(1, index.flatten(1), (keep & valid).flatten(1).long())  # dead cells repeat a slot
+        self.keep(*left_aligned_indices(kept > 0))
+
+    def drop_newest(self, tokens: int) -> None:
+        """Forget the last ``tokens`` tokens' slots (one per head in a folded layer), as if never seen (a
+        context-reconstruction pass's own tokens)."""
+        kept = self.physical_length - tokens * (self.folded_heads or 1)
         self.keys = self.keys[..., :kept, :].contiguous()
         self.values = self.values[..., :kept, :].contiguous()
-        self.cumulative_length -= count
+        self.cumulative_length -= tokens
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

@@ -5,8 +5,9 @@ every layer shares); every compressed layer's attention call then runs ``Forward
 
 1. the layer's state (a layer's first forward of a sequence starts it, with the plan's area for it);
 2. the layer's slot layout for this forward (the shared one, else its own);
-3. the attention: a folded layer's own (``ragged.folded_attention``), else the scorer's pass, which returns this
-   forward's scores and, where it computed it, the attention output; otherwise the model's own function;
+3. the attention: a folded layer's own (``ragged.folded_attention``, with the scores of a scorer whose rule it
+   computes), else the scorer's pass, which returns this forward's scores and, where it computed it, the
+   attention output; otherwise the model's own function;
 4. the scores into the layer's state (``LayerState.append``; a reconstruction pass merges them and drops its own
    slots);
 5. eviction: at once for a prefill's layer over budget (``selection.evict``), or marked due when the forward
@@ -100,10 +101,17 @@ class Forward:
         head_scores = None
         layout, all_live = self._layer_layout(state)
         scaling = kwargs.get("scaling") or module.scaling
-        # a folded layer (heads of their own lengths) attends itself: selected once, never scored again
-        output = layer.own_attention(query, key, value, layout, scaling, kwargs.get("softcap"))
+        # a folded layer (heads of their own lengths) attends itself, and scores where its scorer's rule is the
+        # most attention a slot receives (KVzip's: reconstruction passes and decode steps)
+        folded_observed = None
+        if layer.folded_heads is not None and self.scorer.scores_folded_layers and self.parameters.intermediate_size:
+            folded_observed = self._observe(key.shape[-2])[0]
+        own = layer.own_attention(query, key, value, layout, scaling, kwargs.get("softcap"), folded_observed)
+        output = None
+        if own is not None:
+            output, head_scores = own
         # with no scored area only fixed windows survive: scores are never read
-        if output is None and self.parameters.intermediate_size > 0:
+        elif self.parameters.intermediate_size > 0:
             call = AttentionCall(
                 module=module, queries=query, keys=key, values=value, slot_valid=layout,
                 observed=self._observe(key.shape[-2])[0], scaling=scaling, softcap=kwargs.get("softcap"),

@@ -56,7 +56,9 @@ def preset(method: str, budget: int, **overrides: Any) -> KVCacheCompressionPara
     overrides.pop("method", None)
     scorer = scorer_class(method)
     overrides.setdefault("budget_allocation", scorer.allocation)
-    if overrides["budget_allocation"] in HEAD_SHARED_ALLOCATIONS:  # per-head counts, prompts compressed once
+    # per-head counts: heads of different lengths, evicted at prompts (a decode step's eviction would re-share a
+    # layer's heads without the competition that set their counts)
+    if overrides["budget_allocation"] in HEAD_SHARED_ALLOCATIONS:
         overrides.setdefault("head_selection", "per_head")
         overrides.setdefault("compress_during_decoding", False)
     return KVCacheCompressionParameters.from_budget(budget, method=method, **overrides)

@@ -46,6 +46,27 @@ def fold_kept(tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     return flat.gather(1, source.unsqueeze(-1).expand(-1, -1, flat.shape[-1])).unsqueeze(1)
 
 
+def head_grid(slot_head: torch.Tensor, slot_valid: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A folded layer's live slots per KV head: ``index`` (B, H_kv, W) of each head's slots in slot order (hence in
+    token order), right-aligned with dead cells on the left as a rectangular layer's rows are, and ``valid``
+    (B, H_kv, W) marking the cells that hold a slot; W is the most any head holds. Selection ranks these rows as it
+    ranks a rectangular layer's heads, so a folded layer evicts per head again."""
+    batch, total = slot_valid.shape
+    device = slot_valid.device
+    slot = torch.arange(total, device=device)
+    # live slots ordered by (head, slot), dead ones last; each head's run starts where the earlier heads' end
+    order = torch.where(slot_valid, slot_head * total + slot, heads * total + slot).argsort(dim=-1)
+    counts = torch.stack([(slot_valid & (slot_head == head)).sum(-1) for head in range(heads)], dim=-1)  # (B, H)
+    width = max(int(counts.max()), 1)
+    cell = torch.arange(width, device=device)
+    missing = (width - counts)[..., None]  # dead cells on the left of each head's row
+    valid = cell >= missing
+    start = (counts.cumsum(-1) - counts)[..., None]
+    position = (start + cell - missing).clamp(0, max(total - 1, 0))
+    index = order.gather(1, position.flatten(1)).view(batch, heads, width)
+    return index, valid
+
+
 def folded_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -55,14 +76,18 @@ def folded_attention(
     kv_heads: int,
     scaling: float,
     softcap: float | None = None,
-) -> torch.Tensor:
-    """Attention output (B, q, H, d) of queries (B, H, q, d) over a folded layer's slots (B, 1, M, d).
+    observed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention output (B, q, H, d) of queries (B, H, q, d) over a folded layer's slots (B, 1, M, d), and with
+    ``observed`` (B, q) the most attention any observed query gives each slot (B, 1, M) float32, else None.
 
     ``slot_valid`` and ``slot_head`` (B, M) cover the cached slots and this forward's new ones (the last q·H_kv,
     token-major): query head i of new token j sees the live slots of its KV head among the cached slots and the
     new tokens up to j. The queries of a KV head's group attend as one block of G·q rows, so the mask is one row
     per KV head (B, H_kv, 1, M) in a decode step. A padding query that would see nothing sees everything instead
-    (finite, never read).
+    (finite, never read, never observed). A slot's score is KVzip's rule on the folded layout: only the queries of
+    its own KV head's group can see it, so the most attention any observed row gives it is the most its group
+    gives it, as ``kernels.attention.observed_attention(reduce="max")`` scores a rectangular layer.
     """
     batch, query_heads, length, dim = query.shape
     group = query_heads // kv_heads
@@ -80,11 +105,13 @@ def folded_attention(
     # copy of the slots per head
     mask = allowed.expand(batch, kv_heads, group * length, -1).reshape(batch, 1, query_heads * length, -1)
     rows = query.reshape(batch, 1, query_heads * length, dim)
-    if _sdpa_serves(keys, softcap):
+    scores = None
+    if observed is None and _sdpa_serves(keys, softcap):
         output = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling)
-    else:
-        output = _eager_attention(rows, keys, values, mask, scaling, softcap)
-    return output.view(batch, query_heads, length, dim).transpose(1, 2).contiguous()
+    else:  # rows are (query head, token): a row is observed where its token is
+        output, scores = _eager_attention(rows, keys, values, mask, scaling, softcap,
+                                          None if observed is None else observed.repeat(1, query_heads))
+    return output.view(batch, query_heads, length, dim).transpose(1, 2).contiguous(), scores
 
 
 def _sdpa_serves(keys: torch.Tensor, softcap: float | None) -> bool:
@@ -93,16 +120,21 @@ def _sdpa_serves(keys: torch.Tensor, softcap: float | None) -> bool:
     return keys.device.type == "cpu" and not softcap
 
 
-def _eager_attention(rows, keys, values, mask, scaling: float, softcap: float | None) -> torch.Tensor:
+def _eager_attention(rows, keys, values, mask, scaling: float, softcap: float | None,
+                     observed_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' eager formula (soft-capping included), in chunks of rows that hold at most
-    ``LOGIT_ELEMENTS`` logits. On accelerators its products spread over the slots, where a fused attention
-    kernel given one (batch, head) pair of a few rows runs on a single block of the device."""
+    ``LOGIT_ELEMENTS`` logits, and with ``observed_rows`` (B, rows) the most attention an observed row gives each
+    slot (B, 1, M). On accelerators its products spread over the slots, where a fused attention kernel given one
+    (batch, head) pair of a few rows runs on a single block of the device."""
     step = max(1, LOGIT_ELEMENTS // (rows.shape[0] * keys.shape[-2]))
-    chunks = []
+    chunks, scores = [], None
     for start in range(0, rows.shape[2], step):
         weights = torch.matmul(rows[:, :, start : start + step], keys.transpose(-1, -2)) * scaling
         if softcap:
             weights = softcap * torch.tanh(weights / softcap)
-        weights = weights.masked_fill(~mask[:, :, start : start + step], -torch.inf)
-        chunks.append(torch.matmul(weights.softmax(-1, dtype=torch.float32).to(values.dtype), values))
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+        weights = weights.masked_fill(~mask[:, :, start : start + step], -torch.inf).softmax(-1, dtype=torch.float32)
+        if observed_rows is not None:
+            seen = weights.masked_fill(~observed_rows[:, None, start : start + step, None], 0.0).amax(2)
+            scores = seen if scores is None else torch.maximum(scores, seen)
+        chunks.append(torch.matmul(weights.to(values.dtype), values))
+    return (chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)), scores

@@ -248,12 +248,14 @@ class CompressionSession:
                 f"kvcompress: the cache holds {states[0].slot_valid.shape[0]} sequences, the input {batch}; continue "
                 "a compressed cache with the same batch"
             )
-        if length > 1 and self._evicting and not replay and any(s is not None and s.compressed_once for s in states):
+        if (length > 1 and self._evicting and not replay and not self.scorer.scores_folded_layers
+                and any(s is not None and s.folded_heads is not None for s in states)):
             raise ValueError(
-                f"kvcompress: budget_allocation={self.parameters.budget_allocation!r} compresses one prompt; this "
-                "cache already holds its per-head selection and is not compressed again. Ask each question on the "
-                "compressed context with session.prefill(context) then session.generate(question), or start a new "
-                "cache (chat turns that compress again need a budget_allocation of 'uniform', 'global' or 'pyramid')"
+                f"kvcompress: with method={self.parameters.method!r}, budget_allocation="
+                f"{self.parameters.budget_allocation!r} compresses one prompt; this cache already holds its per-head "
+                "selection and is not compressed again. Ask each question on the compressed context with "
+                "session.prefill(context) then session.generate(question), or start a new cache (chat turns that "
+                "compress again need method='kvzip' or a budget_allocation of 'uniform', 'global' or 'pyramid')"
             )
         device = tokens.device
         mask = kwargs.get("attention_mask")

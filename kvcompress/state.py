@@ -66,8 +66,8 @@ class LayerState:
 
     After a head-wise selection (``budget_allocation="adaptive"`` or ``"global_adaptive"``: heads of different
     lengths) the layer folds its heads into one row (``kvcompress/ragged.py``): every field becomes (B, N) over
-    the N kept (head, token) slots, ``head_scores`` (B, 1, N), and ``slot_head`` says whose each slot is. A folded
-    layer is not evicted again; ``append`` gives each new token one slot per head.
+    the N kept (head, token) slots, ``head_scores`` (B, 1, N), and ``slot_head`` says whose each slot is; ``append``
+    gives each new token one slot per head, and an eviction selects per head again (``ragged.head_grid``).
 
     ``scored_units`` (B,) int64, or None for the parameters' ``intermediate_size``, is the layer's own scored
     area per sequence in eviction units, set when layers compete for one budget (``budget_allocation="global"``).
@@ -250,11 +250,6 @@ class LayerState:
         if self._scored_units is not None and self._fewest_units is None:
             self._fewest_units = int(self._scored_units.min())
         return self._fewest_units
-
-    @property
-    def compressed_once(self) -> bool:
-        """A head-wise selection folded the layer (``fold_heads``): it is not compressed again."""
-        return self.folded_heads is not None
 
     @property
     def shares_layout(self) -> bool:

@@ -17,6 +17,9 @@ Its class attributes declare the rest, so the session never compares method name
 * ``uses_window``: ``window_size`` and ``snapkv_kernel_size`` apply;
 * ``reconstructs``: after a prompt the session runs the scorer's context-reconstruction passes before it evicts
   (KVzip); the prompt's own forward then evicts nothing;
+* ``scores_folded_layers``: its rule is the most attention a slot receives, which a folded (head-wise) layer's own
+  attention computes (``ragged.folded_attention``), so a folded cache takes further prompts that compress again;
+  a method without it compresses a head-wise cache once;
 * ``allocation``: the ``budget_allocation`` the method's presets use (KVzip: ``"global"``, over all layers at once);
 * ``options``: method-specific settings (name -> default), given as ``scorer_options`` in the parameters;
   ``minimums`` bounds the numeric ones from below.
@@ -66,6 +69,7 @@ class Scorer:
     uses_window: ClassVar[bool] = False
     reconstructs: ClassVar[bool] = False
     reads_hidden_states: ClassVar[bool] = False
+    scores_folded_layers: ClassVar[bool] = False
     allocation: ClassVar[str] = "uniform"
     options: ClassVar[dict[str, Any]] = {}
     minimums: ClassVar[dict[str, float]] = {}

@@ -42,6 +42,7 @@ class KVzip(Scorer):
     name = "kvzip"
     combine = "max"
     reconstructs = True
+    scores_folded_layers = True
     # The layers share one budget by score: reconstruction attention is sharp in some layers and nearly absent in
     # others (RULER needles with each allocation: results/ruler_runner_smollm2_2k_heads/). Letting every
     # (layer, head) share it ("global_adaptive") keeps more needles but folds the cache, which is compressed once;

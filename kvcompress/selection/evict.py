@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..ragged import head_grid
 from .windows import adaptive_scored_units, global_scored_units, left_aligned_indices, select_keep_mask
 
 if TYPE_CHECKING:
@@ -40,46 +41,64 @@ def evict(layers: list[tuple[nn.Module, CompressedLayer]], scorer: Scorer, plan:
     parameters = plan.parameters
     started = time.perf_counter()
     states = [layer.state for _, layer in layers]
-    width = max(state.length for state in states)
+    scores = [scorer.eviction_scores(layer.state, layer.keys, layer.values, layer.state.slot_valid)
+              for _, layer in layers]
+    adaptive = parameters.heads_share_budget
+    # a folded layer's slots as per-head rows (ragged.head_grid); every other layer's rows are its slots
+    grids = [head_grid(state.slot_head, state.slot_valid, state.folded_heads) if state.folded_heads else None
+             for state in states]
+    scores = [layer_scores if grid is None else layer_scores[:, 0].gather(1, grid[0].flatten(1)).view(grid[0].shape)
+              for layer_scores, grid in zip(scores, grids)]
+    widths = [layer_scores.shape[-1] for layer_scores in scores]
+    width = max(widths)
 
     def rows(tensors: list[torch.Tensor], fill) -> torch.Tensor:  # left-pad the slot axis to ``width``
         return torch.cat([torch.nn.functional.pad(t, (width - t.shape[-1], 0), value=fill) for t in tensors])
 
-    slot_rows = rows([state.slot_valid for state in states], False)
-    scores = rows([scorer.eviction_scores(layer.state, layer.keys, layer.values, layer.state.slot_valid)
-                   for _, layer in layers], 0.0)
+    scores = rows(scores, 0.0)
+    batch = scores.shape[0] // len(layers)
+    heads = scores.shape[1]
+    if adaptive:  # per (layer, sequence, head) rows of live slots, and a row's live slots per head on average
+        head_rows = rows([state.slot_valid[:, None].expand(-1, heads, -1) if grid is None else grid[1]
+                          for state, grid in zip(states, grids)], False)
+        live = -(-head_rows.sum((1, 2)) // heads)
+    else:
+        slot_rows = rows([state.slot_valid for state in states], False)
+        live = slot_rows.sum(-1)
     value_norms = rows([state.value_norms for state in states], 0.0) if states[0].value_norms is not None else None
-    batch = slot_rows.shape[0] // len(layers)
-    live = slot_rows.sum(-1)
     units = torch.cat([plan.scored_units(state) for state in states])
-    adaptive = parameters.heads_share_budget
     if allocate and not adaptive:  # only the sequences that evict now take their share, as each would alone
         totals = units.view(len(layers), batch).sum(0)  # per sequence, what the layers hold together
         shares = global_scored_units(scores, slot_rows, parameters, totals)
         units = torch.where(plan.over_budget(live, units, slack), shares, units)
         for number, state in enumerate(states):
             state.scored_units = units[number * batch : (number + 1) * batch]
-    over = plan.selects(live, units, slack)
+    if allocate and adaptive:  # the layers of a sequence hold one budget together: all select, or none
+        summed = live.view(len(layers), batch).sum(0)
+        over = plan.selects(summed, units.view(len(layers), batch).sum(0), slack * len(layers)).repeat(len(layers))
+    else:
+        over = plan.selects(live, units, slack)
     if parameters.head_selection == "per_head":  # every (layer, sequence, head) row selects alone
-        heads = scores.shape[1]
         head_units = units.repeat_interleave(heads)
-        if adaptive:  # the heads of a (layer, sequence), or of every layer, share the scored areas by score
+        if not adaptive:
+            head_rows = slot_rows[:, None].expand(-1, heads, -1)
+        else:  # the heads of a (layer, sequence), or of every layer, share the scored areas by score
             layers_compete = len(layers) if allocate else 1
-            head_units = adaptive_scored_units(scores, slot_rows, parameters, units,
-                                               layers_compete).reshape(-1)
-        keep = select_keep_mask(scores.reshape(-1, 1, width), slot_rows.repeat_interleave(heads, 0),
-                                parameters, None, head_units)
-        keep = keep.view(-1, heads, width)
-        slot_rows, over = slot_rows[:, None], over[:, None]
+            head_units = adaptive_scored_units(scores, head_rows, parameters, units, layers_compete).reshape(-1)
+        keep = select_keep_mask(scores.reshape(-1, 1, width), head_rows.reshape(-1, width), parameters, None,
+                                head_units)
+        keep = torch.where(over[:, None, None], keep.view(-1, heads, width), head_rows)
     else:
         keep = select_keep_mask(scores, slot_rows, parameters, value_norms, units)
-    # Each sequence evicts on its own schedule (as it would alone); padding only makes the batch wider.
-    keep = torch.where(over[..., None], keep, slot_rows)
+        # Each sequence evicts on its own schedule (as it would alone); padding only makes the batch wider.
+        keep = torch.where(over[:, None], keep, slot_rows)
     timings["selection"] = timings.get("selection", 0.0) + time.perf_counter() - started
     started = time.perf_counter()
-    for number, (module, layer) in enumerate(layers):
-        state = layer.state
-        layer_keep = keep[number * batch : (number + 1) * batch, ..., width - state.length :]
+    for number, ((module, layer), grid, layer_width) in enumerate(zip(layers, grids, widths)):
+        layer_keep = keep[number * batch : (number + 1) * batch, ..., width - layer_width :]
+        if grid is not None:  # a folded layer keeps the slots its heads' rows kept, and stays folded
+            layer.keep_folded(layer_keep, *grid)
+            continue
         if adaptive:  # heads of different lengths: the layer folds them into one row
             layer.keep_per_head(layer_keep)
             continue

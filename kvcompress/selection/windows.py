@@ -65,11 +65,12 @@ def global_scored_units(
 
 
 def adaptive_scored_units(
-    head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters,
+    head_scores: torch.Tensor, head_valid: torch.Tensor, params: KVCacheCompressionParameters,
     scored_units: torch.Tensor,
     layers: int = 1,
 ) -> torch.Tensor:
-    """Scored units per KV head (R, H) when KV heads share the scored areas (AdaKV's "floor, then compete").
+    """Scored units per KV head (R, H) when KV heads share the scored areas (AdaKV's "floor, then compete"), from
+    per-KV-head scores and live slots (R, H, T) (a folded layer's heads hold different slots).
 
     Per row r (a layer's sequence), every head first keeps its own best ``⌊adaptive_floor · scored_units[r]⌋``
     units; then the remaining candidates of the competing heads go by score to the rest of their areas' total:
@@ -81,7 +82,7 @@ def adaptive_scored_units(
     top-k over the competing heads. Ties go to the lower layer, then head, then the older unit.
     """
     rows, heads, total = head_scores.shape
-    units = _units(head_scores.reshape(rows * heads, 1, total), slot_valid.repeat_interleave(heads, 0), params,
+    units = _units(head_scores.reshape(rows * heads, 1, total), head_valid.reshape(rows * heads, total), params,
                    params.score_threshold)
     count = units.candidates.shape[-1]
     floor = torch.floor(params.adaptive_floor * scored_units.double()).long()

@@ -265,6 +265,78 @@ def test_questions_on_a_compressed_context_and_a_second_compression_refused():
         assert kv_cache_bytes(cache) == slots  # refused before any layer changed
 
 
+def _kvzip(allocation: str, **overrides) -> KVCacheCompressionParameters:
+    return KVCacheCompressionParameters(**{
+        **dict(method="kvzip", head_selection="per_head", budget_allocation=allocation, adaptive_floor=1.0,
+               compress_during_decoding=False, scorer_options={"chunk_size": 32}, **SIZES), **overrides})
+
+
+def _turns(model, params, turns, new_tokens: int = NEW):
+    """Chat turns on one cache under ``params``: each turn's prompt (compressed), then greedy decoding; the
+    answers, each layer's kept positions per head after every turn, and the cache's KV bytes."""
+    answers, kept, cache, sequences = [], [], None, turns[0][:, :0]
+    with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session:
+        for turn in turns:
+            tokens = torch.cat([sequences, turn], dim=-1)
+            output = model.generate(tokens, cache=cache, max_new_tokens=new_tokens,
+                                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                    return_dict_in_generate=True)
+            cache, sequences = output.past_key_values, output.sequences
+            answers.append(output.sequences[:, tokens.shape[1]:])
+            kept.append([_kept_per_head(state) for state in session.layers.values()])
+    return answers, kept, kv_cache_bytes(cache)
+
+
+def test_a_folded_kvzip_cache_compresses_every_chat_turn_as_the_rectangular_per_head_cache_does():
+    """KVzip re-scores and re-selects a folded cache at every turn. With ``adaptive_floor=1`` every head keeps
+    exactly its own share, so the folded cache (``adaptive``) must keep, turn after turn, what the rectangular
+    per-head cache (``uniform``: its attention and scores from the tested rectangular kernels) keeps, and answer
+    the same: the second and third prompts are reconstructed over folded layers (``ragged.folded_attention``'s
+    scores) and evicted per head again (``ragged.head_grid``)."""
+    model = _model(kv_heads=2)
+    turns = [random_tokens(PROMPT), random_tokens(40, seed=1), random_tokens(25, seed=2)]
+    folded_answers, folded_kept, folded_bytes = _turns(model, _kvzip("adaptive"), turns)
+    answers, kept, rectangular_bytes = _turns(model, _kvzip("uniform"), turns)
+    assert folded_kept == kept and folded_bytes == rectangular_bytes
+    for folded, rectangular in zip(folded_answers, answers):
+        assert torch.equal(folded, rectangular)
+    heads_budget = SIZES["start_size"] + SIZES["intermediate_size"] + SIZES["recent_size"]
+    # the last answer token is never fed back, so each head holds its budget and NEW - 1 answer tokens
+    assert all(len(head) == heads_budget + NEW - 1 for layer in kept[-1] for row in layer for head in row)
+
+
+def test_global_adaptive_kvzip_keeps_its_budget_over_chat_turns_and_a_batch_turn_is_each_sequence_alone():
+    """With ``global_adaptive`` the heads of every layer compete again at each turn: after each prompt the cache
+    holds exactly the nominal budget over all layers and heads (then the answer's tokens), and a left-padded batch
+    of two conversations keeps and answers what each keeps and answers alone."""
+    model = _model(kv_heads=2)
+    params = _kvzip("global_adaptive", adaptive_floor=0.2)
+    first = [random_tokens(n, seed=10 + n) for n in (70, 52)]
+    second = [random_tokens(n, seed=20 + n) for n in (30, 41)]
+    alone = [_turns(model, params, [a, b]) for a, b in zip(first, second)]
+    layers, kv_heads, head_dim = 2, 2, 8
+    budget = SIZES["start_size"] + SIZES["intermediate_size"] + SIZES["recent_size"]
+    for _, _, held in alone:  # keys and values in float32; the last answer token is never fed back
+        assert held == layers * kv_heads * (budget + NEW - 1) * 2 * head_dim * 4
+    width = max(t.shape[1] for t in first)
+    ids = torch.stack([torch.cat([torch.zeros(width - t.shape[1], dtype=torch.long), t[0]]) for t in first])
+    mask = (torch.arange(width) >= width - torch.tensor([[t.shape[1]] for t in first])).long()
+    with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session:
+        output = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                pad_token_id=0, return_dict_in_generate=True)
+        turn_width = max(t.shape[1] for t in second)
+        turn = torch.stack([torch.cat([torch.zeros(turn_width - t.shape[1], dtype=torch.long), t[0]]) for t in second])
+        turn_mask = (torch.arange(turn_width) >= turn_width - torch.tensor([[t.shape[1]] for t in second])).long()
+        tokens = torch.cat([output.sequences, turn], dim=-1)
+        attention = torch.cat([mask, torch.ones(2, NEW, dtype=torch.long), turn_mask], dim=-1)
+        answer = model.generate(tokens, attention_mask=attention, cache=output.past_key_values,
+                                max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        kept = [_kept_per_head(state) for state in session.layers.values()]
+    for row, (answers, alone_kept, _) in enumerate(alone):
+        assert torch.equal(answer[row, tokens.shape[1]:], answers[1][0]), f"sequence {row} diverged"
+        assert [layer[row] for layer in kept] == [layer[0] for layer in alone_kept[1]], f"sequence {row}"
+
+
 def test_the_runners_full_cache_bytes_of_a_folded_cache_are_the_uncompressed_caches():
     from kvbench.generation import cache_bytes
 
@@ -285,7 +357,9 @@ def test_the_runners_full_cache_bytes_of_a_folded_cache_are_the_uncompressed_cac
 def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, path):
     """The folded attention against plain per-head softmax attention over each head's live slots (soft-capped as
     Gemma 2 does where asked), on random slots: two sequences, three KV heads of two query heads each. Both
-    paths: sdpa (CPU) and the eager formula (soft-capping, accelerators), there in chunks of one row."""
+    paths: sdpa (CPU) and the eager formula (soft-capping, accelerators, scoring), there in chunks of one row.
+    With observed queries (the last token of the second sequence unobserved) a slot's score is the most attention
+    an observed query of its KV head's group gives it, and a new slot no observed query can see scores 0."""
     from kvcompress import ragged
     from kvcompress.ragged import folded_attention
 
@@ -302,14 +376,23 @@ def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, p
                            torch.arange(kv_heads).repeat(length).expand(batch, -1)], dim=-1)
     slot_valid = torch.rand(batch, total) > 0.2
     slot_valid[:, cached:] = True
-    got = folded_attention(query, keys, values, slot_valid, slot_head, kv_heads, 0.3, softcap)
+    observed = torch.ones(batch, length, dtype=torch.bool)
+    observed[1, -1] = False
+    got, none = folded_attention(query, keys, values, slot_valid, slot_head, kv_heads, 0.3, softcap)
+    scored, scores = folded_attention(query, keys, values, slot_valid, slot_head, kv_heads, 0.3, softcap, observed)
+    assert none is None and scores.shape == (batch, 1, total)
+    expected_scores = torch.zeros(batch, 1, total)
     for b in range(batch):
         for head in range(kv_heads * group):
             for token in range(length):
                 own = (slot_head[b] == head // group) & slot_valid[b]
                 own[cached:] &= torch.arange(length).repeat_interleave(kv_heads) <= token
-                scores = keys[b, 0, own] @ query[b, head, token] * 0.3
+                logits = keys[b, 0, own] @ query[b, head, token] * 0.3
                 if softcap:
-                    scores = softcap * torch.tanh(scores / softcap)
-                expected = scores.softmax(-1) @ values[b, 0, own]
+                    logits = softcap * torch.tanh(logits / softcap)
+                expected = logits.softmax(-1) @ values[b, 0, own]
                 torch.testing.assert_close(got[b, token, head], expected, rtol=0, atol=1e-5)
+                torch.testing.assert_close(scored[b, token, head], expected, rtol=0, atol=1e-5)
+                if observed[b, token]:
+                    expected_scores[b, 0, own] = torch.maximum(expected_scores[b, 0, own], logits.softmax(-1))
+    torch.testing.assert_close(scores, expected_scores, rtol=0, atol=1e-6)
