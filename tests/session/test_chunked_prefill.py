@@ -148,3 +148,36 @@ def test_a_bad_chunk_size_names_the_parameter(chunk_size):
         with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
             session.prefill(random_tokens(20), chunk_size=chunk_size)
     assert torch.isfinite(model(random_tokens(5)).logits).all()  # the model is as it was
+
+
+def _kept_per_head(session) -> list[list[list[int]]]:
+    """Per layer, per KV head of the one sequence: the true positions kept, from a folded or a per-head state."""
+    kept = []
+    for state in session.layers.values():
+        if state.folded_heads is None:
+            kept.append([head.tolist() for head in state.true_positions[0]])
+            continue
+        live = state.slot_valid[0]
+        kept.append([state.true_positions[0][live & (state.slot_head[0] == head)].tolist()
+                     for head in range(state.folded_heads)])
+    return kept
+
+
+def test_kvzip_chunks_fold_the_cache_once_and_compress_it_again_per_head():
+    """Head-wise KVzip in chunks: the second chunk's eviction folds the layers, every later one re-selects the folded
+    slots per head. With ``adaptive_floor=1`` each head keeps its own share, which must be exactly what the
+    rectangular per-head cache keeps chunk after chunk; ``global_adaptive`` holds the nominal budget over all layers
+    and heads, each head with its windows."""
+    model = tiny_model("llama")
+    ids = random_tokens(CONTEXT)
+    kept = {}
+    for allocation, floor in (("uniform", 1.0), ("adaptive", 1.0), ("global_adaptive", 0.2)):
+        params = scorer_parameters("kvzip", head_selection="per_head", budget_allocation=allocation,
+                                   adaptive_floor=floor, compress_during_decoding=False, **SIZES)
+        with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session:
+            session.prefill(ids, chunk_size=CHUNK)
+            kept[allocation] = _kept_per_head(session)
+    assert kept["adaptive"] == kept["uniform"]
+    heads = [head for layer in kept["global_adaptive"] for head in layer]
+    assert sum(len(head) for head in heads) == len(heads) * params.max_cache_size
+    assert all(head[:4] == [0, 1, 2, 3] and head[-12:] == list(range(CONTEXT - 12, CONTEXT)) for head in heads)
