@@ -82,15 +82,16 @@ from kvcompress.presets import NONE, STREAMING_LLM, method_names, preset  # noqa
 
 GROUP_SIZE = 32
 SCORERS = tuple(m for m in method_names() if m not in (NONE, STREAMING_LLM))  # every registered scorer
-# <preset>-<variant>: pages, per-head selection, AdaKV's head-wise budgets (prompts compressed once, decode appends)
+# <preset>-<variant>: pages, per-head selection, head-wise budgets (AdaKV's, every head of every layer), layers alone
 VARIANTS = {
     "per-group": {"strategy": "per_group", "group_size": GROUP_SIZE},
     "per-head": {"head_selection": "per_head"},
     "adaptive": {"budget_allocation": "adaptive"},
     "headwise": {"budget_allocation": "global_adaptive"},
+    "layers": {"budget_allocation": "global"},
 }
 METHODS = ("none", *SCORERS, "streaming", "snapkv-per-group", "h2o-per-group", "snapkv-per-head", "snapkv-adaptive",
-           "kvzip-adaptive", "kvzip-headwise")
+           "kvzip-adaptive", "kvzip-layers")
 TARGETS = {
     "prefill_snapkv": 1.05, "prefill_h2o": 1.15, "prefill_kvzip": 2.0, "peak_memory": 1.05, "peak_memory_kvzip": 1.10,
     "decode_evicted": 1.0, "decode_continuous": 0.95,

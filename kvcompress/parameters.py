@@ -207,7 +207,7 @@ class KVCacheCompressionParameters:
             if self.compress_during_decoding:
                 raise ValueError(
                     f"budget_allocation={self.budget_allocation!r} compresses prompts only (as AdaKV, KVzip and "
-                    "kvpress do: the head-wise layout is built once, decode tokens are appended); set "
+                    "kvpress do: the heads' counts are set by a prompt's competition, decode tokens are appended); set "
                     "compress_during_decoding=False"
                 )
         if self.pyramid_beta < 1:

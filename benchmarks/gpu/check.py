@@ -98,7 +98,7 @@ def kernel_checks(device: str) -> list[dict]:
 def method_checks(device: str, plan: list[tuple[str, int, str]], deadline: float) -> list[dict]:
     rows = []
     variants = [(m, m, {}) for m in kvcompress.method_names() if m != "none"]
-    variants.append(("kvzip-global_adaptive", "kvzip", {"budget_allocation": "global_adaptive"}))
+    variants.append(("kvzip-global", "kvzip", {"budget_allocation": "global"}))
     for shape, length, dtype_name in plan:
         model = random_model(shape, device, getattr(torch, dtype_name))
         tokenizer = tiny_tokenizer(model.config.vocab_size)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 # our method -> kvpress's press of the same algorithm
 PEERS = {"snapkv": "SnapKVPress", "h2o": "ObservedAttentionPress", "kvzip": "KVzipPress",
-         "kvzip-headwise": "KVzipPress", "expected_attention": "ExpectedAttentionPress", "tova": "TOVAPress",
+         "kvzip-layers": "KVzipPress", "expected_attention": "ExpectedAttentionPress", "tova": "TOVAPress",
          "keydiff": "KeyDiffPress", "knorm": "KnormPress", "streaming": "StreamingLLMPress"}
 
 

@@ -22,11 +22,11 @@ MODEL="${MODEL:-llama3-8b-shape}"
 SITE_OURS="${SITE_OURS:-/tmp/site-ours}"
 SITE_PEER="${SITE_PEER:-/tmp/site-peer}"
 if [ "${1:-}" = "--quick" ]; then
-    LENGTHS="${LENGTHS:-8192}"; METHODS="${METHODS:-snapkv h2o kvzip kvzip-headwise kvzap expected_attention}"
+    LENGTHS="${LENGTHS:-8192}"; METHODS="${METHODS:-snapkv h2o kvzip kvzip-layers kvzap expected_attention}"
     CHECK_S=60; OURS_S=100; THROUGHPUT_S=0; PEER_S=60; REPEATS=1
 else
     LENGTHS="${LENGTHS:-8192 32768}"
-    METHODS="${METHODS:-snapkv h2o kvzip kvzip-headwise kvzap expected_attention tova keydiff knorm streaming}"
+    METHODS="${METHODS:-snapkv h2o kvzip kvzip-layers kvzap expected_attention tova keydiff knorm streaming}"
     CHECK_S=60; OURS_S=170; THROUGHPUT_S=80; PEER_S=120; REPEATS=2
 fi
 THROUGHPUT_LENGTH="${THROUGHPUT_LENGTH:-32768}"

@@ -20,7 +20,8 @@ Its class attributes declare the rest, so the session never compares method name
 * ``scores_folded_layers``: its rule is the most attention a slot receives, which a folded (head-wise) layer's own
   attention computes (``ragged.folded_attention``), so a folded cache takes further prompts that compress again;
   a method without it compresses a head-wise cache once;
-* ``allocation``: the ``budget_allocation`` the method's presets use (KVzip: ``"global"``, over all layers at once);
+* ``allocation``: the ``budget_allocation`` the method's presets use (KVzip: ``"global_adaptive"``, over every
+  layer and head);
 * ``options``: method-specific settings (name -> default), given as ``scorer_options`` in the parameters;
   ``minimums`` bounds the numeric ones from below.
 """

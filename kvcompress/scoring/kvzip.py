@@ -43,11 +43,11 @@ class KVzip(Scorer):
     combine = "max"
     reconstructs = True
     scores_folded_layers = True
-    # The layers share one budget by score: reconstruction attention is sharp in some layers and nearly absent in
-    # others (RULER needles with each allocation: results/ruler_runner_smollm2_2k_heads/). Letting every
-    # (layer, head) share it ("global_adaptive") keeps more needles but folds the cache, which is compressed once;
-    # the preset must keep serving chat turns that compress again.
-    allocation = "global"
+    # Every (layer, KV head) shares one budget by score: reconstruction attention is sharp in some layers and heads
+    # and nearly absent in others, and a per-layer ("global") share loses the needles a few heads hold (RULER
+    # needles with each allocation: results/ruler_runner_smollm2_2k_heads/). The folded cache this gives is
+    # compressed again at every turn (``scores_folded_layers``).
+    allocation = "global_adaptive"
     options = {"chunk_size": 2048}
     minimums = {"chunk_size": 1}
 

@@ -15,7 +15,7 @@ def params_for(*options: str, prompt_tokens: int = 1000) -> KVCacheCompressionPa
 
 def test_defaults_are_the_kvzip_preset_at_20_percent():
     params = params_for(prompt_tokens=2000)
-    assert params == preset("kvzip", 400) and params.budget_allocation == "global"
+    assert params == preset("kvzip", 400) and params.budget_allocation == "global_adaptive"
 
 
 @pytest.mark.parametrize("budget, expected", [("400", 400), ("10%", 100), ("100%", 1000), ("0.5%", 5)])
