@@ -315,52 +315,111 @@ struct PackedProducts {
 
 // A decode step (one query per sequence): per (sequence, KV head) the group's query heads are the rows of one
 // product with the keys (float32), so keys and values are read once per group; a row of logits is small, so no
-// blocks.
+// blocks. Where the (sequence, KV head) pairs alone would leave threads idle (a 3-KV-head model on 2 threads ran
+// its third pair on one thread while the other waited; a 1-KV-head model ran on one), each pair's slots are cut
+// into chunks of at least `min_chunk` slots (a prefill's key block), as flash-decoding splits the keys: a chunk's
+// logits, their maximum and sum and its unnormalised output are one task; a second pass rescales every chunk to
+// its pair's maximum and sum for the output and the scores. One chunk per pair is the same arithmetic in one pass.
 template <typename T>
-std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool maximum,
+std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool maximum, int64_t min_chunk,
                                         const torch::TensorOptions& options) {
   torch::Tensor output = torch::empty({o.batch, 1, o.heads, o.value_dim}, options);
   torch::Tensor scores = torch::zeros({o.batch, o.kv_heads, o.total}, options);
   float* out_data = output.data_ptr<float>();
   float* scores_data = scores.data_ptr<float>();
+  const int64_t pairs = o.batch * o.kv_heads, threads = at::get_num_threads();
+  const int64_t wanted = threads == 1 || pairs >= 4 * threads ? 1 : (4 * threads + pairs - 1) / pairs;
+  const int64_t chunks = std::max<int64_t>(1, std::min(wanted, o.total / min_chunk));
+  const int64_t chunk_len = (o.total + chunks - 1) / chunks;
+  // per pair: the logits, then their exponentials (groups x total); per (pair, chunk, query head) the chunk's
+  // maximum and sum, and its output before normalisation
+  torch::Tensor exps_buffer = torch::empty({pairs * o.groups * o.total}, options);
+  torch::Tensor partial_buffer = torch::empty({pairs * chunks * o.groups * o.value_dim}, options);
+  float* exps = exps_buffer.data_ptr<float>();
+  float* partial = partial_buffer.data_ptr<float>();
+  std::vector<float> maxima(pairs * chunks * o.groups), sums(pairs * chunks * o.groups);
+  std::vector<T> rounded(std::is_same_v<T, float> ? 0 : pairs * o.groups * o.total);  // (bfloat16 inputs)
   // MKL's bfloat16 GEMM copies both operands unless one of them is a single row, which it takes as a GEMV, as
   // sdpa's decode step does: the copies were 43 % of a 4k step (perf), so bfloat16 query heads go one by one
   const int64_t heads_per_product = std::is_same_v<T, float> ? o.groups : 1;
-  parallel_tasks(o.batch * o.kv_heads, [&](TaskQueue& queue) {
-    torch::Tensor logits_buffer = torch::empty({o.groups * o.total}, options);
-    float* s = logits_buffer.data_ptr<float>();
-    std::vector<T> rounded(std::is_same_v<T, float> ? 0 : o.groups * o.total);
-    std::vector<float> inverse(o.groups);
-    for (int64_t task; queue.claim(task);) {
-      const int64_t b = task / o.kv_heads, kv = task % o.kv_heads, h0 = kv * o.groups;
-      const float observed = o.weight == nullptr ? 1.0f : o.weight[b];
-      const float* bias = o.bias != nullptr && observed != 0.0f ? o.bias + b * o.total : nullptr;
-      // s (groups x total) = alpha * q_group (groups x d, ld qSH) . kᵀ
-      for (int64_t g = 0; g < o.groups; g += heads_per_product) {
-        gemm('T', 'N', o.total, heads_per_product, o.head_dim, alpha, o.k + b * o.kSB + kv * o.kSH, o.kSN,
-             o.q + b * o.qSB + (h0 + g) * o.qSH, o.qSH, 0.0f, s + g * o.total, o.total);
-      }
-      for (int64_t g = 0; g < o.groups; ++g) {
-        float* row = s + g * o.total;
-        const float row_max = logits_max(row, o.total, 1.0f, bias);
-        T* rounded_row = rounded.empty() ? nullptr : rounded.data() + g * o.total;  // (bfloat16 inputs)
-        inverse[g] = 1.0f / exp_shifted_sum(row, o.total, 0, row_max, rounded_row);  // own slot is live: > 0
-      }
-      float* out = out_data + b * o.heads * o.value_dim + h0 * o.value_dim;
-      for (int64_t g = 0; g < o.groups; g += heads_per_product) {
-        gemm('N', 'N', o.value_dim, heads_per_product, o.total, 1.0f, o.v + b * o.vSB + kv * o.vSH, o.vSN,
-             probability_operand(s, rounded.data()) + g * o.total, o.total, 0.0f, out + g * o.value_dim,
-             o.value_dim);
-      }
-      float* sums = scores_data + (b * o.kv_heads + kv) * o.total;
-      for (int64_t g = 0; g < o.groups; ++g) {
-        const float r = inverse[g];
-        at::vec::map([r](Vec x) { return x * Vec(r); }, out + g * o.value_dim, out + g * o.value_dim, o.value_dim);
-        const float w = observed * r;
-        if (w != 0.0f) accumulate(sums, s + g * o.total, w, o.total, maximum);
+  auto observed = [&](int64_t b) { return o.weight == nullptr ? 1.0f : o.weight[b]; };
+
+  auto chunk_pass = [&](int64_t pair, int64_t c) {  // logits, maximum, exponentials, sum, output of one chunk
+    const int64_t b = pair / o.kv_heads, kv = pair % o.kv_heads, h0 = kv * o.groups;
+    const int64_t n0 = c * chunk_len, n = std::min(chunk_len, o.total - n0);
+    const float* bias = o.bias != nullptr && observed(b) != 0.0f ? o.bias + b * o.total + n0 : nullptr;
+    float* s = exps + pair * o.groups * o.total;
+    T* rounded_pair = rounded.empty() ? nullptr : rounded.data() + pair * o.groups * o.total;
+    // s[:, n0 : n0 + n] (groups x n) = alpha * q_group (groups x d, ld qSH) . k[n0 : n0 + n]ᵀ
+    for (int64_t g = 0; g < o.groups; g += heads_per_product) {
+      gemm('T', 'N', n, heads_per_product, o.head_dim, alpha, o.k + b * o.kSB + kv * o.kSH + n0 * o.kSN, o.kSN,
+           o.q + b * o.qSB + (h0 + g) * o.qSH, o.qSH, 0.0f, s + g * o.total + n0, o.total);
+    }
+    for (int64_t g = 0; g < o.groups; ++g) {
+      float* row = s + g * o.total + n0;
+      const int64_t index = (pair * chunks + c) * o.groups + g;
+      maxima[index] = logits_max(row, n, 1.0f, bias);
+      T* rounded_row = rounded_pair == nullptr ? nullptr : rounded_pair + g * o.total + n0;
+      if (maxima[index] == kNegInf) {  // every slot of the chunk dead: weight 0 (another chunk holds the live ones)
+        sums[index] = exp_shifted_sum(row, 0, n, 0.0f, rounded_row);
+      } else {
+        sums[index] = exp_shifted_sum(row, n, 0, maxima[index], rounded_row);
       }
     }
-  });
+    float* out = partial + (pair * chunks + c) * o.groups * o.value_dim;
+    for (int64_t g = 0; g < o.groups; g += heads_per_product) {
+      const float* p = s + g * o.total + n0;
+      gemm('N', 'N', o.value_dim, heads_per_product, n, 1.0f, o.v + b * o.vSB + kv * o.vSH + n0 * o.vSN, o.vSN,
+           probability_operand(p, rounded_pair == nullptr ? nullptr : rounded_pair + g * o.total + n0), o.total,
+           0.0f, out + g * o.value_dim, o.value_dim);
+    }
+  };
+
+  auto finish = [&](int64_t pair, int64_t c) {  // chunk c's scores, and the pair's output with its first chunk
+    const int64_t b = pair / o.kv_heads, kv = pair % o.kv_heads, h0 = kv * o.groups;
+    const int64_t n0 = c * chunk_len, n = std::min(chunk_len, o.total - n0);
+    for (int64_t g = 0; g < o.groups; ++g) {
+      const float* chunk_max = maxima.data() + pair * chunks * o.groups + g;  // stride o.groups over the chunks
+      const float* chunk_sum = sums.data() + pair * chunks * o.groups + g;
+      float pair_max = kNegInf, pair_sum = 0.0f;
+      for (int64_t k = 0; k < chunks; ++k) pair_max = std::max(pair_max, chunk_max[k * o.groups]);
+      auto rescale = [&](int64_t k) {  // a chunk's exponentials to the pair's maximum
+        return chunk_max[k * o.groups] == kNegInf ? 0.0f : std::exp(chunk_max[k * o.groups] - pair_max);
+      };
+      for (int64_t k = 0; k < chunks; ++k) pair_sum += chunk_sum[k * o.groups] * rescale(k);
+      // a chunk's exponentials to probabilities (the step's own slot is live, so pair_sum > 0)
+      auto weight = [&](int64_t k) { return rescale(k) / pair_sum; };
+      const float w = observed(b) * weight(c);
+      if (w != 0.0f) {
+        accumulate(scores_data + pair * o.total + n0, exps + (pair * o.groups + g) * o.total + n0, w, n, maximum);
+      }
+      if (c == 0) {
+        float* out = out_data + b * o.heads * o.value_dim + (h0 + g) * o.value_dim;
+        std::fill(out, out + o.value_dim, 0.0f);
+        for (int64_t k = 0; k < chunks; ++k) {
+          const float r = weight(k);
+          const float* part = partial + ((pair * chunks + k) * o.groups + g) * o.value_dim;
+          at::vec::map2([r](Vec a, Vec x) { return a + x * Vec(r); }, out, out, part, o.value_dim);
+        }
+      }
+    }
+  };
+
+  if (chunks == 1) {
+    parallel_tasks(pairs, [&](TaskQueue& queue) {
+      for (int64_t pair; queue.claim(pair);) {
+        chunk_pass(pair, 0);
+        finish(pair, 0);
+      }
+    });
+  } else {
+    parallel_tasks(pairs * chunks, [&](TaskQueue& queue) {
+      for (int64_t task; queue.claim(task);) chunk_pass(task / chunks, task % chunks);
+    });
+    parallel_tasks(pairs * chunks, [&](TaskQueue& queue) {
+      for (int64_t task; queue.claim(task);) finish(task / chunks, task % chunks);
+    });
+  }
   return {scores, output};
 }
 
@@ -483,7 +542,7 @@ std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor 
   auto run = [&](auto element) {  // one decode step or a multi-query forward, for inputs of that element type
     using T = decltype(element);
     const auto o = operands<T>(queries, keys, values, key_bias, row_weight);
-    if (o.length == 1) return single_query(o, alpha, maximum, options);
+    if (o.length == 1) return single_query(o, alpha, maximum, key_block, options);
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (PackedProducts::applies(o, key_block)) {
         return causal_blocks(o, PackedProducts(o, alpha, key_block, options), maximum, row_block, key_block,

@@ -108,6 +108,29 @@ def test_native_kernel_matches_plain_attention_on_every_thread_count(monkeypatch
     torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_decode_step_split_over_the_slots_matches_plain_attention(threads, reduce, dtype):
+    """A decode step whose (sequence, KV head) pairs are fewer than the threads want cuts each pair's slots into
+    chunks of at least the key block (here 8 slots: 2 chunks of 31 on 2 threads, none on 1), rescaled to the pair's
+    maximum afterwards; sequence 1's first chunk is all dead slots. Output and scores against float64."""
+    kernel = native.kernel()
+    assert kernel is not None
+    if dtype == torch.bfloat16 and not kernel.bfloat16_products():
+        pytest.skip("this build's BLAS has no bfloat16 GEMM: bfloat16 inputs take float32 copies")
+    queries, keys, values, slot_valid, observed = _inputs(dtype, length=1, cached=60)
+    slot_valid[1, :31] = False
+    key_bias = torch.zeros(slot_valid.shape).masked_fill_(~slot_valid, float("-inf"))
+    with torch_threads(threads):
+        scores, output = kernel.fused_attention(queries, keys, values, 0.3, key_bias, observed.float(),
+                                                reduce == "max", 3, 8)
+    expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.3, reduce=reduce)
+    output_tolerance = 1e-6 if dtype == torch.float32 else 0.02
+    torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(output.double(), expected_output, rtol=output_tolerance, atol=output_tolerance)
+
+
 def test_fused_output_in_bfloat16_is_close_to_float64():
     queries, keys, values, slot_valid, observed = _inputs(torch.bfloat16)
     scores, output = attention.observed_attention(queries, keys, slot_valid, observed, 0.25, values=values)
