@@ -317,8 +317,8 @@ struct PackedProducts {
 // product with the keys (float32), so keys and values are read once per group; a row of logits is small, so no
 // blocks. Where the (sequence, KV head) pairs alone would leave threads idle (a 3-KV-head model on 2 threads ran
 // its third pair on one thread while the other waited; a 1-KV-head model ran on one), each pair's slots are cut
-// into chunks of at least `min_chunk` slots (a quarter of a prefill's key block, so that a cache of a few hundred
-// slots splits too), as flash-decoding splits the keys: a chunk's logits, their maximum and sum and its
+// into chunks of at least `min_chunk` slots (a prefill's key block: below it the second pass costs more than the
+// idle thread did), as flash-decoding splits the keys: a chunk's logits, their maximum and sum and its
 // unnormalised output are one task; a second pass rescales every chunk to its pair's maximum and sum for the
 // output and the scores. One chunk per pair is the same arithmetic in one pass.
 template <typename T>
@@ -543,7 +543,7 @@ std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor 
   auto run = [&](auto element) {  // one decode step or a multi-query forward, for inputs of that element type
     using T = decltype(element);
     const auto o = operands<T>(queries, keys, values, key_bias, row_weight);
-    if (o.length == 1) return single_query(o, alpha, maximum, std::max<int64_t>(1, key_block / 4), options);
+    if (o.length == 1) return single_query(o, alpha, maximum, key_block, options);
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (PackedProducts::applies(o, key_block)) {
         return causal_blocks(o, PackedProducts(o, alpha, key_block, options), maximum, row_block, key_block,

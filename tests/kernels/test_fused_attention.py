@@ -113,7 +113,7 @@ def test_native_kernel_matches_plain_attention_on_every_thread_count(monkeypatch
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_decode_step_split_over_the_slots_matches_plain_attention(threads, reduce, dtype):
     """A decode step whose (sequence, KV head) pairs are fewer than the threads want cuts each pair's slots into
-    chunks of at least a quarter of the key block (2 chunks of 31 on 2 threads, none on 1), rescaled to the pair's
+    chunks of at least the key block (here 8 slots: 2 chunks of 31 on 2 threads, none on 1), rescaled to the pair's
     maximum afterwards; sequence 1's first chunk is all dead slots. Output and scores against float64."""
     kernel = native.kernel()
     assert kernel is not None
