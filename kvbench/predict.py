@@ -136,15 +136,15 @@ def _check_pipeline(experiment: Experiment, setting: CompressionSetting, dtype: 
 
 
 def predict_experiment(experiment: Experiment, settings: Sequence[CompressionSetting], shard: Shard,
-                       tasks: Sequence[str] | None = None) -> None:
-    """Predicts every (setting, task) pair on this rank (``tasks``: the experiment's by default); rank 0 then merges
-    all ranks' files."""
+                       tasks: Sequence[str]) -> None:
+    """Predicts every (setting, task) pair on this rank (``Experiment.select_tasks`` picks the tasks); rank 0 then
+    merges all ranks' files."""
     dtype = computed_dtype(experiment.model, shard)
     for setting in settings:
         _check_pipeline(experiment, setting, dtype)
     benchmark = experiment.benchmark
     records = {}
-    for task in experiment.tasks if tasks is None else tasks:
+    for task in tasks:
         try:
             records[task] = benchmark.load_records(experiment.options, task, experiment.output_dir)[: experiment.limit]
         except benchmark.unavailable as error:

@@ -56,7 +56,7 @@ def head_grid(slot_head: torch.Tensor, slot_valid: torch.Tensor, heads: int) -> 
     slot = torch.arange(total, device=device)
     # live slots ordered by (head, slot), dead ones last; each head's run starts where the earlier heads' end
     order = torch.where(slot_valid, slot_head * total + slot, heads * total + slot).argsort(dim=-1)
-    counts = torch.stack([(slot_valid & (slot_head == head)).sum(-1) for head in range(heads)], dim=-1)  # (B, H)
+    counts = torch.zeros(batch, heads, dtype=torch.long, device=device).scatter_add_(1, slot_head, slot_valid.long())
     width = max(int(counts.max()), 1)
     cell = torch.arange(width, device=device)
     missing = (width - counts)[..., None]  # dead cells on the left of each head's row
