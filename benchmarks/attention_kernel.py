@@ -33,7 +33,7 @@ from kvcompress.kernels.attention import observed_attention, prefix_max_attentio
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 RECONSTRUCTION_QUERIES = 2060  # a 2,048-token chunk and its request
 SCALE = HEAD_DIM**-0.5
-EMPTY = torch.empty(0)  # no dead slots, every row observed
+EMPTY = torch.empty(0)  # no dead slots, every row observed, not a folded layer
 
 
 def candidates(call: str, slots: int, dtype: torch.dtype) -> dict:
@@ -66,7 +66,7 @@ def candidates(call: str, slots: int, dtype: torch.dtype) -> dict:
         def float32_copies():
             copies = [tensor.float() for tensor in (queries, keys, values)]
             return native.kernel().fused_attention(*copies, SCALE, EMPTY, EMPTY, reduce == "max", native.ROW_BLOCK,
-                                                   native.KEY_BLOCK)
+                                                   native.KEY_BLOCK, EMPTY)
 
         functions["kernel on float32 copies"] = (float32_copies, calls)
     if call == "reconstruction":

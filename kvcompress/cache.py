@@ -68,17 +68,20 @@ class CompressedLayer(DynamicLayer):
         return (self.keys[..., :1, :].nbytes + self.values[..., :1, :].nbytes) * (self.folded_heads or 1)
 
     def own_attention(self, query, key, value, layout: torch.Tensor, scaling: float, softcap: float | None,
-                      observed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                      observed: torch.Tensor | None = None,
+                      all_live: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The attention output of a layer whose layout the model's attention cannot take (a folded one:
-        ``ragged.folded_attention`` over its per-head slots, ``layout`` its slots' validity this forward), with the
-        most attention the ``observed`` queries give each slot (B, 1, M) where asked; None for any other layer
-        (the scorer's pass or the model's own function computes it)."""
+        ``ragged.folded_attention`` over its per-head slots, ``layout`` its slots' validity this forward, and
+        ``all_live`` whether the caller knows them all live), with the most attention the ``observed`` queries
+        give each slot (B, 1, M) where asked; None for any other layer (the scorer's pass or the model's own
+        function computes it)."""
         if self.folded_heads is None:
             return None
         batch, _, length, _ = query.shape
         heads = torch.cat([self.state.slot_head, folded_head_of_new(self.folded_heads, length, batch, query.device)],
                           dim=-1)
-        return folded_attention(query, key, value, layout, heads, self.folded_heads, scaling, softcap, observed)
+        return folded_attention(query, key, value, layout, heads, self.folded_heads, scaling, softcap, observed,
+                                all_live)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(

@@ -106,7 +106,7 @@ class Forward:
         folded_observed = None
         if layer.folded_heads is not None and self.scorer.scores_folded_layers and self.parameters.intermediate_size:
             folded_observed = self._observe(key.shape[-2])[0]
-        own = layer.own_attention(query, key, value, layout, scaling, kwargs.get("softcap"), folded_observed)
+        own = layer.own_attention(query, key, value, layout, scaling, kwargs.get("softcap"), folded_observed, all_live)
         output = None
         if own is not None:
             output, head_scores = own

@@ -11,14 +11,19 @@ answer) append H_kv slots each, token-major, one per head.
 Attention over a folded layer is the session's own (``folded_attention``): the queries of KV head h's group see
 the live slots of head h, causally. It is a multi-query attention over all N slots with a head mask, so it does
 H_kv times the multiply-adds of a per-head varlen kernel (the AdaKV repository's CUDA path), with no padding and
-no copy of the cache; this is the layout's cost per decode step. On CPU it is torch's sdpa with a mask; on
-accelerators the eager formula, whose products spread over the device (sdpa gives one (batch, head) pair of a
-few rows to a single block).
+no copy of the cache; this is the layout's cost per decode step. On CPU a decode step runs on the compiled kernel
+(``kernels.attention.folded_single_query``: no mask, scores in the same pass), a longer forward on torch's sdpa
+with a mask; on accelerators the eager formula, whose products spread over the device (sdpa gives one (batch,
+head) pair of a few rows to a single block).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from .kernels.attention import folded_single_query
 
 LOGIT_ELEMENTS = 1 << 25  # the most logits a folded layer's eager attention holds at once (a chunk of rows)
 
@@ -29,15 +34,17 @@ def fold_new_tokens(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.transpose(1, 2).reshape(batch, 1, length * heads, dim)
 
 
+@functools.lru_cache(maxsize=64)
 def folded_head_of_new(heads: int, length: int, batch: int, device: torch.device) -> torch.Tensor:
-    """(B, q·H_kv) the KV head of each new slot, in ``fold_new_tokens``' order."""
+    """(B, q·H_kv) the KV head of each new slot, in ``fold_new_tokens``' order. The same for every folded layer of
+    every forward of that shape (read, never written): built once, not twice per layer and decode step."""
     return torch.arange(heads, device=device).repeat(length).expand(batch, -1)
 
 
 def per_new_slot(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     """A per-token field of a forward's new tokens (B, q) as one value per new slot (B, q·H_kv), in
-    ``fold_new_tokens``' order."""
-    return tensor.repeat_interleave(heads, -1)
+    ``fold_new_tokens``' order: a decode step's (one token) is a view."""
+    return tensor.expand(-1, heads) if tensor.shape[-1] == 1 else tensor.repeat_interleave(heads, -1)
 
 
 def fold_kept(tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
@@ -77,6 +84,7 @@ def folded_attention(
     scaling: float,
     softcap: float | None = None,
     observed: torch.Tensor | None = None,
+    all_live: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention output (B, q, H, d) of queries (B, H, q, d) over a folded layer's slots (B, 1, M, d), and with
     ``observed`` (B, q) the most attention any observed query gives each slot (B, 1, M) float32, else None.
@@ -85,11 +93,17 @@ def folded_attention(
     token-major): query head i of new token j sees the live slots of its KV head among the cached slots and the
     new tokens up to j. The queries of a KV head's group attend as one block of G·q rows, so the mask is one row
     per KV head (B, H_kv, 1, M) in a decode step. A padding query that would see nothing sees everything instead
-    (finite, never read, never observed). A slot's score is KVzip's rule on the folded layout: only the queries of
+    (finite, never read, never observed); on the compiled kernel (a CPU decode step) an unobserved query sees its
+    head's dead slots too. A slot's score is KVzip's rule on the folded layout: only the queries of
     its own KV head's group can see it, so the most attention any observed row gives it is the most its group
-    gives it, as ``kernels.attention.observed_attention(reduce="max")`` scores a rectangular layer.
+    gives it, as ``kernels.attention.observed_attention(reduce="max")`` scores a rectangular layer. ``all_live``:
+    the caller knows every slot live (the kernel's checks are spared).
     """
     batch, query_heads, length, dim = query.shape
+    if length == 1 and not softcap:
+        step = folded_single_query(query, keys, values, slot_valid, slot_head, kv_heads, scaling, observed, all_live)
+        if step is not None:
+            return step
     group = query_heads // kv_heads
     device = query.device
     heads = torch.arange(kv_heads, device=device)

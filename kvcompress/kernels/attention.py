@@ -187,10 +187,13 @@ def _irregular(slot_valid: torch.Tensor, observed: torch.Tensor, all_live: bool 
     return not bool(slot_valid.all()), not bool(observed.all())
 
 
-def _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live, maximum):
+def _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live, maximum,
+                  folded: tuple[torch.Tensor, int] | None = None):
     """Output and column sums (or maxima) of every row from the compiled kernel (``native.py``), which takes the dead
     slots as an additive bias and the observed rows as weights, and only when there are any; bfloat16 inputs as
-    they are where the kernel multiplies them natively (``native.input_dtype``), float32 copies otherwise."""
+    they are where the kernel multiplies them natively (``native.input_dtype``), float32 copies otherwise.
+    ``folded`` (a folded layer's decode step, ``folded_single_query``): each slot's KV head (B, T) and the count of
+    KV heads, whose pairs all read the one row of keys and values (B, 1, T, d): expanded, a view with no copy."""
     padded, partial = _irregular(slot_valid, observed, all_live)
     none = queries.new_empty(0)
     key_bias = torch.zeros(slot_valid.shape).masked_fill_(~slot_valid, float("-inf")) if padded else none
@@ -199,10 +202,40 @@ def _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, 
     compute = native.input_dtype(kernel, dtype)
     queries, keys, values = (t.to(compute) if t.stride(-1) == 1 else t.to(compute).contiguous()
                              for t in (queries, keys, values))
+    slot_head = none
+    if folded is not None:
+        slot_head, kv_heads = folded[0].contiguous(), folded[1]
+        keys, values = (t.expand(-1, kv_heads, -1, -1) for t in (keys, values))
     summed, output = kernel.fused_attention(
-        queries, keys, values, scaling, key_bias, row_weight, maximum, native.ROW_BLOCK, native.KEY_BLOCK
+        queries, keys, values, scaling, key_bias, row_weight, maximum, native.ROW_BLOCK, native.KEY_BLOCK, slot_head
     )
     return summed, output.to(dtype)
+
+
+def folded_single_query(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_valid: torch.Tensor,
+                        slot_head: torch.Tensor, kv_heads: int, scaling: float,
+                        observed: torch.Tensor | None,
+                        all_live: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A decode step over a folded layer (``kvcompress/ragged.py``) on the compiled kernel: the output (B, 1, H, d)
+    and, with ``observed`` (B, 1), the most attention the step's query heads give each slot (B, 1, T), else None;
+    None where the kernel does not serve (accelerators, no compiler). ``all_live``: every slot is known live
+    (the checks are spared).
+
+    Each (sequence, KV head) pair picks its own slots out of the row, copies them contiguous and multiplies only
+    them: a per-head kernel's products, in one pass with no mask built per step (the masked sdpa and eager formula
+    it replaces multiplied every query by every head's slots and built a (B, H_kv, T) mask and several
+    logit-sized tensors in every layer of every step). A slot's score is the most attention its own group gives
+    it, as ``observed_attention(reduce="max")`` scores a rectangular layer.
+    """
+    if not native.supports(queries, keys, values):
+        return None
+    kernel = native.kernel()
+    if kernel is None:
+        return None
+    rows = observed if observed is not None else torch.ones_like(slot_valid[:, :1])
+    summed, output = _native_fused(kernel, queries, keys, values, slot_valid, rows, scaling, all_live, True,
+                                   folded=(slot_head, kv_heads))
+    return output, None if observed is None else summed
 
 
 def triton_serves(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

@@ -20,6 +20,10 @@
 // the last L slots are this forward's tokens, so row i sees slots [0, T - L + i]; `scale` multiplies the
 // logits. key_bias (B, T) adds 0 / -inf for dead slots to observed rows only; row_weight (B, L) weighs each
 // row's contribution to the column sums (observed 1, else 0). Either may be empty.
+// slot_head (B, T) int64, a decode step only, marks a folded layer (kvcompress/ragged.py): every KV head's slots
+// share one row, keys and values come expanded to (B, H_kv, T, d) with a zero head stride, and the pair (b, kv)
+// sees only the slots whose head is kv: it copies them contiguous and multiplies only them (a folded decode step
+// costs what a per-head one does), and their scores go to one row per sequence, (B, 1, T). It may be empty.
 // Returns the column sums (B, H_kv, T), summed over the query heads of each KV group, and the output
 // (B, L, H, dv), as transformers' attention functions lay it out. With `maximum`, the columns hold instead the
 // most weight any observed row of any query head of the group gives the slot (KVzip's reconstruction scores):
@@ -36,6 +40,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
@@ -181,13 +186,15 @@ template <typename T>
 struct Operands {
   const T *q, *k, *v;
   const float *bias, *weight;
+  const int64_t* slot_head;  // a folded layer's KV head of each slot (B, T), else nullptr
   int64_t batch, heads, length, head_dim, kv_heads, total, value_dim, groups;
   int64_t qSB, qSH, qSM, kSB, kSH, kSN, vSB, vSH, vSN;
 };
 
 template <typename T>
 Operands<T> operands(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
-                     const torch::Tensor& key_bias, const torch::Tensor& row_weight) {
+                     const torch::Tensor& key_bias, const torch::Tensor& row_weight,
+                     const torch::Tensor& slot_head) {
   TORCH_CHECK(queries.stride(-1) == 1 && keys.stride(-1) == 1 && values.stride(-1) == 1,
               "fused_attention: the last dimension must be contiguous");
   Operands<T> o;
@@ -196,6 +203,7 @@ Operands<T> operands(const torch::Tensor& queries, const torch::Tensor& keys, co
   o.v = values.data_ptr<T>();
   o.bias = key_bias.numel() > 0 ? key_bias.data_ptr<float>() : nullptr;
   o.weight = row_weight.numel() > 0 ? row_weight.data_ptr<float>() : nullptr;
+  o.slot_head = slot_head.numel() > 0 ? slot_head.data_ptr<int64_t>() : nullptr;
   o.batch = queries.size(0), o.heads = queries.size(1), o.length = queries.size(2), o.head_dim = queries.size(3);
   o.kv_heads = keys.size(1), o.total = keys.size(2), o.value_dim = values.size(3);
   o.groups = o.heads / o.kv_heads;
@@ -313,6 +321,64 @@ struct PackedProducts {
   void release() const { at::native::cpublas::brgemm_release(); }  // the thread's AMX tile configuration
 };
 
+// A run of a decode step's columns: `count` keys and values at `keys` / `values` (rows `key_stride` /
+// `value_stride` apart), the columns [first, first + count) of the chunk's logits.
+template <typename T>
+struct Columns {
+  const T* keys;
+  int64_t key_stride;
+  const T* values;
+  int64_t value_stride;
+  int64_t first, count;
+};
+
+// A folded pair's own slots of a chunk (`index`, m of them, relative to `chunk`) as runs of columns: a head's
+// slots lie mostly in one stretch (a fold leaves them head-major), multiplied where they lie; the slots between
+// such stretches (decoded tokens, one slot per head each) are copied into `gathered` and multiplied together.
+// Copying every slot cost as much again as the products: both read each key and value once from memory.
+constexpr int64_t kDirectRun = 16;  // fewer consecutive slots are copied: one product for them all
+
+template <typename T>
+std::vector<Columns<T>> columns_of_own_slots(const Operands<T>& o, const Columns<T>& chunk, const int64_t* index,
+                                             int64_t m, std::vector<T>& gathered) {
+  std::vector<std::pair<int64_t, int64_t>> stretches;  // [first, end) columns of consecutive slots
+  int64_t copies = 0;
+  for (int64_t j = 0; j < m;) {
+    int64_t end = j + 1;
+    while (end < m && index[end] == index[end - 1] + 1) ++end;
+    stretches.emplace_back(j, end);
+    copies += end - j < kDirectRun ? end - j : 0;
+    j = end;
+  }
+  gathered.resize(copies * (o.head_dim + o.value_dim));  // only what is copied: a fold's stretches are not
+  T* gathered_keys = gathered.data();
+  T* gathered_values = gathered_keys + copies * o.head_dim;
+  std::vector<Columns<T>> runs;
+  int64_t copied = 0, pending = 0;  // slots copied so far; the column where the copies not yet in a run start
+  auto flush = [&](int64_t column) {
+    if (column > pending) {
+      const int64_t count = column - pending, at = copied - count;
+      runs.push_back({gathered_keys + at * o.head_dim, o.head_dim, gathered_values + at * o.value_dim, o.value_dim,
+                      pending, count});
+    }
+  };
+  for (const auto& [first, end] : stretches) {
+    if (end - first >= kDirectRun) {
+      flush(first);
+      runs.push_back({chunk.keys + index[first] * chunk.key_stride, chunk.key_stride,
+                      chunk.values + index[first] * chunk.value_stride, chunk.value_stride, first, end - first});
+      pending = end;
+      continue;
+    }
+    for (int64_t j = first; j < end; ++j, ++copied) {
+      std::copy_n(chunk.keys + index[j] * chunk.key_stride, o.head_dim, gathered_keys + copied * o.head_dim);
+      std::copy_n(chunk.values + index[j] * chunk.value_stride, o.value_dim, gathered_values + copied * o.value_dim);
+    }
+  }
+  flush(m);
+  return runs;
+}
+
 // A decode step (one query per sequence): per (sequence, KV head) the group's query heads are the rows of one
 // product with the keys (float32), so keys and values are read once per group; a row of logits is small, so no
 // blocks. Where the (sequence, KV head) pairs alone would leave threads idle (a 3-KV-head model on 2 threads ran
@@ -325,7 +391,8 @@ template <typename T>
 std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool maximum, int64_t min_chunk,
                                         const torch::TensorOptions& options) {
   torch::Tensor output = torch::empty({o.batch, 1, o.heads, o.value_dim}, options);
-  torch::Tensor scores = torch::zeros({o.batch, o.kv_heads, o.total}, options);
+  // a folded layer's slots each belong to one KV head: one row of scores per sequence
+  torch::Tensor scores = torch::zeros({o.batch, o.slot_head != nullptr ? 1 : o.kv_heads, o.total}, options);
   float* out_data = output.data_ptr<float>();
   float* scores_data = scores.data_ptr<float>();
   const int64_t pairs = o.batch * o.kv_heads, threads = at::get_num_threads();
@@ -345,34 +412,74 @@ std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool 
   const int64_t heads_per_product = std::is_same_v<T, float> ? o.groups : 1;
   auto observed = [&](int64_t b) { return o.weight == nullptr ? 1.0f : o.weight[b]; };
 
+  // a folded layer: per (pair, chunk) the pair's own slots of the chunk (their indices, at the chunk's offset in
+  // the pair's row, and their count), so that the products multiply only them and the scores go back to them
+  const bool folded = o.slot_head != nullptr;
+  std::vector<int64_t> own(folded ? pairs * o.total : 0), own_count(folded ? pairs * chunks : 0);
+
   auto chunk_pass = [&](int64_t pair, int64_t c) {  // logits, maximum, exponentials, sum, output of one chunk
     const int64_t b = pair / o.kv_heads, kv = pair % o.kv_heads, h0 = kv * o.groups;
     const int64_t n0 = c * chunk_len, n = std::min(chunk_len, o.total - n0);
     const float* bias = o.bias != nullptr && observed(b) != 0.0f ? o.bias + b * o.total + n0 : nullptr;
     float* s = exps + pair * o.groups * o.total;
     T* rounded_pair = rounded.empty() ? nullptr : rounded.data() + pair * o.groups * o.total;
-    // s[:, n0 : n0 + n] (groups x n) = alpha * q_group (groups x d, ld qSH) . k[n0 : n0 + n]ᵀ
+    // the chunk's columns: its n slots as they lie, or a folded pair's m own slots (columns_of_own_slots)
+    std::vector<Columns<T>> columns{{o.k + b * o.kSB + kv * o.kSH + n0 * o.kSN, o.kSN,
+                                     o.v + b * o.vSB + kv * o.vSH + n0 * o.vSN, o.vSN, 0, n}};
+    int64_t m = n;
+    std::vector<T> gathered;
+    std::vector<float> own_bias;
+    if (folded) {
+      int64_t* index = own.data() + pair * o.total + n0;
+      const int64_t* head = o.slot_head + b * o.total + n0;
+      m = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        if (head[j] == kv) index[m++] = j;
+      }
+      own_count[pair * chunks + c] = m;
+      columns = columns_of_own_slots(o, columns[0], index, m, gathered);
+      if (bias != nullptr) {
+        own_bias.resize(m);
+        for (int64_t j = 0; j < m; ++j) own_bias[j] = bias[index[j]];
+        bias = own_bias.data();
+      }
+    }
+    float* out = partial + (pair * chunks + c) * o.groups * o.value_dim;
+    if (m == 0) {  // a folded pair with no slot in this chunk: weight 0, as a chunk of dead slots
+      for (int64_t g = 0; g < o.groups; ++g) {
+        maxima[(pair * chunks + c) * o.groups + g] = kNegInf;
+        sums[(pair * chunks + c) * o.groups + g] = 0.0f;
+      }
+      std::fill(out, out + o.groups * o.value_dim, 0.0f);
+      return;
+    }
+    // s[:, n0 : n0 + m] (groups x m) = alpha * q_group (groups x d, ld qSH) . columnsᵀ
     for (int64_t g = 0; g < o.groups; g += heads_per_product) {
-      gemm('T', 'N', n, heads_per_product, o.head_dim, alpha, o.k + b * o.kSB + kv * o.kSH + n0 * o.kSN, o.kSN,
-           o.q + b * o.qSB + (h0 + g) * o.qSH, o.qSH, 0.0f, s + g * o.total + n0, o.total);
+      for (const auto& part : columns) {
+        gemm('T', 'N', part.count, heads_per_product, o.head_dim, alpha, part.keys, part.key_stride,
+             o.q + b * o.qSB + (h0 + g) * o.qSH, o.qSH, 0.0f, s + g * o.total + n0 + part.first, o.total);
+      }
     }
     for (int64_t g = 0; g < o.groups; ++g) {
       float* row = s + g * o.total + n0;
       const int64_t index = (pair * chunks + c) * o.groups + g;
-      maxima[index] = logits_max(row, n, 1.0f, bias);
+      maxima[index] = logits_max(row, m, 1.0f, bias);
       T* rounded_row = rounded_pair == nullptr ? nullptr : rounded_pair + g * o.total + n0;
       if (maxima[index] == kNegInf) {  // every slot of the chunk dead: weight 0 (another chunk holds the live ones)
-        sums[index] = exp_shifted_sum(row, 0, n, 0.0f, rounded_row);
+        sums[index] = exp_shifted_sum(row, 0, m, 0.0f, rounded_row);
       } else {
-        sums[index] = exp_shifted_sum(row, n, 0, maxima[index], rounded_row);
+        sums[index] = exp_shifted_sum(row, m, 0, maxima[index], rounded_row);
       }
     }
-    float* out = partial + (pair * chunks + c) * o.groups * o.value_dim;
     for (int64_t g = 0; g < o.groups; g += heads_per_product) {
       const float* p = s + g * o.total + n0;
-      gemm('N', 'N', o.value_dim, heads_per_product, n, 1.0f, o.v + b * o.vSB + kv * o.vSH + n0 * o.vSN, o.vSN,
-           probability_operand(p, rounded_pair == nullptr ? nullptr : rounded_pair + g * o.total + n0), o.total,
-           0.0f, out + g * o.value_dim, o.value_dim);
+      const T* p_rounded = rounded_pair == nullptr ? nullptr : rounded_pair + g * o.total + n0;
+      for (size_t i = 0; i < columns.size(); ++i) {
+        const auto& part = columns[i];
+        gemm('N', 'N', o.value_dim, heads_per_product, part.count, 1.0f, part.values, part.value_stride,
+             probability_operand(p + part.first, p_rounded == nullptr ? nullptr : p_rounded + part.first),
+             o.total, i == 0 ? 0.0f : 1.0f, out + g * o.value_dim, o.value_dim);
+      }
     }
   };
 
@@ -391,8 +498,16 @@ std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool 
       // a chunk's exponentials to probabilities (the step's own slot is live, so pair_sum > 0)
       auto weight = [&](int64_t k) { return rescale(k) / pair_sum; };
       const float w = observed(b) * weight(c);
-      if (w != 0.0f) {
-        accumulate(scores_data + pair * o.total + n0, exps + (pair * o.groups + g) * o.total + n0, w, n, maximum);
+      const float* chunk_exps = exps + (pair * o.groups + g) * o.total + n0;
+      if (w != 0.0f && !folded) {
+        accumulate(scores_data + pair * o.total + n0, chunk_exps, w, n, maximum);
+      } else if (w != 0.0f) {  // a folded pair's own slots, in the sequence's one row of scores
+        const int64_t* index = own.data() + pair * o.total + n0;
+        float* column = scores_data + b * o.total + n0;
+        for (int64_t j = 0; j < own_count[pair * chunks + c]; ++j) {
+          const float x = chunk_exps[j] * w;
+          column[index[j]] = maximum ? std::max(column[index[j]], x) : column[index[j]] + x;
+        }
       }
       if (c == 0) {
         float* out = out_data + b * o.heads * o.value_dim + (h0 + g) * o.value_dim;
@@ -531,7 +646,8 @@ bool bfloat16_packed_products() { return at::native::cpublas::could_pack(at::kBF
 
 std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor keys, torch::Tensor values,
                                            double scale, torch::Tensor key_bias, torch::Tensor row_weight,
-                                           bool maximum, int64_t row_block, int64_t key_block) {
+                                           bool maximum, int64_t row_block, int64_t key_block,
+                                           torch::Tensor slot_head) {
   const float alpha = static_cast<float>(scale);
   const auto options = queries.options().dtype(at::kFloat);  // scores and output are float32 for every input
   const auto type = queries.scalar_type();
@@ -542,7 +658,9 @@ std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor 
               "fused_attention: no bfloat16 GEMM in this build (pass float32 copies)");
   auto run = [&](auto element) {  // one decode step or a multi-query forward, for inputs of that element type
     using T = decltype(element);
-    const auto o = operands<T>(queries, keys, values, key_bias, row_weight);
+    const auto o = operands<T>(queries, keys, values, key_bias, row_weight, slot_head);
+    TORCH_CHECK(o.slot_head == nullptr || (o.length == 1 && slot_head.is_contiguous()),
+                "fused_attention: slot_head (a folded layer) is for a decode step, contiguous");
     if (o.length == 1) return single_query(o, alpha, maximum, key_block, options);
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (PackedProducts::applies(o, key_block)) {

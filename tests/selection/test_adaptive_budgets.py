@@ -18,7 +18,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
 from kvcompress.cache import kv_cache_bytes, kv_cache_length
 from kvcompress.scoring.registry import SCORERS
-from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
+from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model, torch_threads
 
 SIZES = dict(start_size=4, intermediate_size=16, recent_size=6)
 PROMPT, NEW = 70, 8
@@ -351,35 +351,55 @@ def test_the_runners_full_cache_bytes_of_a_folded_cache_are_the_uncompressed_cac
     assert held * PROMPT == full * _adaptive().max_cache_size
 
 
-@pytest.mark.parametrize("path", ["sdpa", "eager in chunks"])
+@pytest.mark.parametrize("path", ["kernel", "sdpa", "eager in chunks"])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("length", [1, 3])
 def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, path):
     """The folded attention against plain per-head softmax attention over each head's live slots (soft-capped as
-    Gemma 2 does where asked), on random slots: two sequences, three KV heads of two query heads each. Both
-    paths: sdpa (CPU) and the eager formula (soft-capping, accelerators, scoring), there in chunks of one row.
+    Gemma 2 does where asked), on random slots: two sequences, three KV heads of two query heads each. Every path:
+    the compiled kernel (a CPU decode step; on two threads, the pairs' slots cut into chunks of its key block),
+    sdpa (CPU) and the eager formula (soft-capping, accelerators, scoring), there in chunks of one row.
     With observed queries (the last token of the second sequence unobserved) a slot's score is the most attention
-    an observed query of its KV head's group gives it, and a new slot no observed query can see scores 0."""
+    an observed query of its KV head's group gives it, and a new slot no observed query can see scores 0; the
+    kernel's unobserved rows (padding tokens, never read) also see their head's dead slots, as its rectangular
+    decode step's do."""
     from kvcompress import ragged
+    from kvcompress.kernels import native
     from kvcompress.ragged import folded_attention
 
-    if path != "sdpa":
+    cached = 11
+    if path == "kernel":
+        if length > 1 or softcap:
+            pytest.skip("the kernel serves decode steps without soft-capping")
+        assert native.kernel() is not None
+        monkeypatch.setattr(native, "KEY_BLOCK", 8)
+        cached = 120
+    else:
+        monkeypatch.setattr(ragged, "folded_single_query", lambda *args: None)
+    if path == "eager in chunks":
         monkeypatch.setattr(ragged, "_sdpa_serves", lambda keys, softcap: False)
         monkeypatch.setattr(ragged, "LOGIT_ELEMENTS", 1)
 
     torch.manual_seed(0)
-    batch, kv_heads, group, dim, cached = 2, 3, 2, 8, 11
+    batch, kv_heads, group, dim = 2, 3, 2, 8
     total = cached + length * kv_heads
     query = torch.randn(batch, kv_heads * group, length, dim)
     keys, values = torch.randn(batch, 1, total, dim), torch.randn(batch, 1, total, dim)
-    slot_head = torch.cat([torch.randint(0, kv_heads, (batch, cached)),
+    # the cached slots: three quarters head-major, as a fold leaves them (the kernel multiplies a head's stretch of
+    # 16 slots or more where it lies; its first chunk holds no slot of head 2), then mixed heads as decoding
+    # leaves them (copied together); then the forward's own, token-major
+    folded = cached * 3 // 4
+    slot_head = torch.cat([torch.randint(0, kv_heads, (batch, folded)).sort(-1).values,
+                           torch.randint(0, kv_heads, (batch, cached - folded)),
                            torch.arange(kv_heads).repeat(length).expand(batch, -1)], dim=-1)
     slot_valid = torch.rand(batch, total) > 0.2
     slot_valid[:, cached:] = True
     observed = torch.ones(batch, length, dtype=torch.bool)
     observed[1, -1] = False
-    got, none = folded_attention(query, keys, values, slot_valid, slot_head, kv_heads, 0.3, softcap)
-    scored, scores = folded_attention(query, keys, values, slot_valid, slot_head, kv_heads, 0.3, softcap, observed)
+    with torch_threads(2 if path == "kernel" else 1):
+        got, none = folded_attention(query, keys, values, slot_valid, slot_head, kv_heads, 0.3, softcap)
+        scored, scores = folded_attention(query, keys, values, slot_valid, slot_head, kv_heads, 0.3, softcap,
+                                          observed)
     assert none is None and scores.shape == (batch, 1, total)
     expected_scores = torch.zeros(batch, 1, total)
     for b in range(batch):
@@ -392,7 +412,8 @@ def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, p
                     logits = softcap * torch.tanh(logits / softcap)
                 expected = logits.softmax(-1) @ values[b, 0, own]
                 torch.testing.assert_close(got[b, token, head], expected, rtol=0, atol=1e-5)
-                torch.testing.assert_close(scored[b, token, head], expected, rtol=0, atol=1e-5)
+                if observed[b, token] or path != "kernel":  # the kernel's unobserved (padding) rows see dead slots
+                    torch.testing.assert_close(scored[b, token, head], expected, rtol=0, atol=1e-5)
                 if observed[b, token]:
                     expected_scores[b, 0, own] = torch.maximum(expected_scores[b, 0, own], logits.softmax(-1))
     torch.testing.assert_close(scores, expected_scores, rtol=0, atol=1e-6)
