@@ -32,6 +32,7 @@ from .cache import CompressedLayer
 from .kernels.attention import observation_counts
 from .kernels.value_norm import projected_value_l1
 from .masks import additive_mask
+from .ragged import fold_new_tokens
 from .scoring.base import AttentionCall, Scorer
 from .selection.evict import evict
 from .state import LayerState
@@ -101,27 +102,32 @@ class Forward:
         head_scores = None
         layout, all_live = self._layer_layout(state)
         scaling = kwargs.get("scaling") or module.scaling
-        # a folded layer (heads of their own lengths) attends itself, and scores where its scorer's rule is the
-        # most attention a slot receives (KVzip's: reconstruction passes and decode steps)
-        folded_observed = None
-        if layer.folded_heads is not None and self.scorer.scores_folded_layers and self.parameters.intermediate_size:
-            folded_observed = self._observe(key.shape[-2])[0]
+        # a folded layer (heads of their own lengths) attends itself, and scores where its scorer's rule applies
+        # to it: the most attention a slot receives (KVzip's: reconstruction passes and decode steps), computed by
+        # that attention, or a score of each new token alone (KVzap's), folded like the new slots
+        scored = self.parameters.intermediate_size > 0  # with no scored area only fixed windows survive
+        folded_rule = layer.folded_heads is not None and scored and self.scorer.scores_folded_layers
+        per_token = self.scorer.combine == "once"
+        folded_observed = self._observe(key.shape[-2])[0] if folded_rule and not per_token else None
         own = layer.own_attention(query, key, value, layout, scaling, kwargs.get("softcap"), folded_observed, all_live)
         output = None
         if own is not None:
             output, head_scores = own
-        # with no scored area only fixed windows survive: scores are never read
-        elif self.parameters.intermediate_size > 0:
+        if scored and (own is None or folded_rule and per_token):
             call = AttentionCall(
                 module=module, queries=query, keys=key, values=value, slot_valid=layout,
                 observed=self._observe(key.shape[-2])[0], scaling=scaling, softcap=kwargs.get("softcap"),
                 all_live=all_live,
                 # the caller may want the original's weights (output_attentions) or its dropout
-                may_fuse=not kwargs.get("dropout") and not kwargs.get("output_attentions"),
+                may_fuse=not kwargs.get("dropout") and not kwargs.get("output_attentions") and own is None,
                 positions=self.positions, replay=self.replay,
                 hidden_states=hidden_states,
             )
-            head_scores, output = self.scorer.attend(call, state)
+            head_scores, scorer_output = self.scorer.attend(call, state)
+            if own is None:
+                output = scorer_output
+            else:  # (B, H_kv, q) for the new tokens: one per new slot, in the folded layer's order
+                head_scores = fold_new_tokens(head_scores.unsqueeze(-1)).squeeze(-1)
         if not self.replay:  # a reconstruction pass is timed as a whole ("reconstruction")
             self.timings["attention_and_scoring" if output is not None else "scoring"] += time.perf_counter() - started
         if output is None:

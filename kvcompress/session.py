@@ -255,7 +255,8 @@ class CompressionSession:
                 f"{self.parameters.budget_allocation!r} compresses one prompt; this cache already holds its per-head "
                 "selection and is not compressed again. Ask each question on the compressed context with "
                 "session.prefill(context) then session.generate(question), or start a new cache (chat turns that "
-                "compress again need method='kvzip' or a budget_allocation of 'uniform', 'global' or 'pyramid')"
+                "compress again need method='kvzip' or 'kvzap', or a budget_allocation of 'uniform', 'global' or "
+                "'pyramid')"
             )
         device = tokens.device
         mask = kwargs.get("attention_mask")

@@ -17,9 +17,10 @@ Its class attributes declare the rest, so the session never compares method name
 * ``uses_window``: ``window_size`` and ``snapkv_kernel_size`` apply;
 * ``reconstructs``: after a prompt the session runs the scorer's context-reconstruction passes before it evicts
   (KVzip); the prompt's own forward then evicts nothing;
-* ``scores_folded_layers``: its rule is the most attention a slot receives, which a folded (head-wise) layer's own
-  attention computes (``ragged.folded_attention``), so a folded cache takes further prompts that compress again;
-  a method without it compresses a head-wise cache once;
+* ``scores_folded_layers``: its rule applies to a folded (head-wise) layer, so a folded cache takes further
+  prompts that compress again: the most attention a slot receives (KVzip), which the layer's own attention
+  computes (``ragged.folded_attention``), or a score of each new token alone (``combine="once"``, KVzap), folded
+  as the layer's new slots are; a method without it compresses a head-wise cache once;
 * ``allocation``: the ``budget_allocation`` the method's presets use (KVzip: ``"global_adaptive"``, over every
   layer and head);
 * ``options``: method-specific settings (name -> default), given as ``scorer_options`` in the parameters;

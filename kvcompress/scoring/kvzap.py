@@ -25,6 +25,7 @@ class KVzap(Scorer):
     name = "kvzap"
     combine = "once"
     reads_hidden_states = True
+    scores_folded_layers = True  # each new token's scores, whatever the layer's layout
     allocation = "global"
     options = {"weights": ""}
 

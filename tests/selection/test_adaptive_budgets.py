@@ -305,6 +305,33 @@ def test_a_folded_kvzip_cache_compresses_every_chat_turn_as_the_rectangular_per_
     assert all(len(head) == heads_budget + NEW - 1 for layer in kept[-1] for row in layer for head in row)
 
 
+def test_a_folded_kvzap_cache_scores_its_new_tokens_and_compresses_every_chat_turn_as_the_rectangular_cache_does(
+        tmp_path):
+    """KVzap scores each token alone, from its hidden states, whatever the layer's layout: a folded layer takes the
+    scores of its new slots (decoded tokens, later prompts) in its own order, so it compresses every chat turn
+    again, and with ``adaptive_floor=1`` keeps, turn after turn, what the rectangular per-head cache keeps, and
+    answers the same (a decoded token scored 0 on the folded layer would leave first at the next turn)."""
+    from kvcompress.surrogate import random_surrogate
+
+    model = _model(kv_heads=2)
+    weights = random_surrogate(model, seed=7, name="tiny").save(tmp_path / "tiny.safetensors")
+
+    def kvzap(allocation):
+        return KVCacheCompressionParameters(
+            method="kvzap", head_selection="per_head", budget_allocation=allocation, adaptive_floor=1.0,
+            compress_during_decoding=False, scorer_options={"weights": str(weights)}, **SIZES)
+
+    turns = [random_tokens(PROMPT), random_tokens(40, seed=1), random_tokens(25, seed=2)]
+    folded_answers, folded_kept, folded_bytes = _turns(model, kvzap("adaptive"), turns, new_tokens=3 * NEW)
+    answers, kept, rectangular_bytes = _turns(model, kvzap("uniform"), turns, new_tokens=3 * NEW)
+    assert folded_kept == kept and folded_bytes == rectangular_bytes
+    for folded, rectangular in zip(folded_answers, answers):
+        assert torch.equal(folded, rectangular)
+    heads_budget = SIZES["start_size"] + SIZES["intermediate_size"] + SIZES["recent_size"]
+    # the last answer token is never fed back, so each head holds its budget and the other answer tokens
+    assert all(len(head) == heads_budget + 3 * NEW - 1 for layer in kept[-1] for row in layer for head in row)
+
+
 def test_global_adaptive_kvzip_keeps_its_budget_over_chat_turns_and_a_batch_turn_is_each_sequence_alone():
     """With ``global_adaptive`` the heads of every layer compete again at each turn: after each prompt the cache
     holds exactly the nominal budget over all layers and heads (then the answer's tokens), and a left-padded batch
