@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from .kernels.attention import folded_single_query
+from .kernels.attention import folded_single_query, per_head_rows_attention
 
 LOGIT_ELEMENTS = 1 << 25  # the most logits a folded layer's eager attention holds at once (a chunk of rows)
 
@@ -104,6 +104,10 @@ def folded_attention(
         step = folded_single_query(query, keys, values, slot_valid, slot_head, kv_heads, scaling, observed, all_live)
         if step is not None:
             return step
+    elif not softcap:
+        rows = _as_head_rows(query, keys, values, slot_valid, slot_head, kv_heads, scaling, observed)
+        if rows is not None:
+            return rows
     group = query_heads // kv_heads
     device = query.device
     heads = torch.arange(kv_heads, device=device)
@@ -126,6 +130,38 @@ def folded_attention(
         output, scores = _eager_attention(rows, keys, values, mask, scaling, softcap,
                                           None if observed is None else observed.repeat(1, query_heads))
     return output.view(batch, query_heads, length, dim).transpose(1, 2).contiguous(), scores
+
+
+def _as_head_rows(query, keys, values, slot_valid, slot_head, kv_heads: int, scaling: float,
+                  observed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A multi-token forward over a folded layer (a prompt, a chunk, a reconstruction pass) as over a rectangular
+    one, on the compiled kernel: each KV head's cached slots gathered into a row (``head_grid``: right-aligned,
+    dead cells on the left, masked per head), the forward's own slots after them in token order, so that the
+    kernel's causal blocks and its maximum mode serve it; the scores go back to the folded slots. A copy of the
+    layer per forward, against the masked attention's KV-heads times the work over every slot; None where the
+    kernel does not serve."""
+    batch, _, length, dim = query.shape
+    cached = keys.shape[-2] - length * kv_heads
+    index, live = head_grid(slot_head[:, :cached], slot_valid[:, :cached], kv_heads)  # (B, H_kv, W)
+    width = index.shape[-1]
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:  # (B, 1, M, d) -> (B, H_kv, W + q, d)
+        old = tensor[:, 0].gather(1, index.flatten(1)[..., None].expand(-1, -1, dim)).view(batch, kv_heads, width, dim)
+        return torch.cat([old, tensor[:, 0, cached:].view(batch, length, kv_heads, dim).transpose(1, 2)], dim=2)
+
+    new_valid = slot_valid[:, cached:].view(batch, length, kv_heads).transpose(1, 2)
+    rows_observed = observed if observed is not None else torch.ones_like(slot_valid[:, :length])
+    result = per_head_rows_attention(query, rows(keys), rows(values), torch.cat([live, new_valid], dim=-1),
+                                     rows_observed, scaling)
+    if result is None:
+        return None
+    output, scores = result
+    if observed is None:
+        return output, None
+    # a dead cell repeats a slot of its head (head_grid): it adds nothing to the maximum
+    old = torch.zeros_like(slot_valid[:, :cached], dtype=scores.dtype).scatter_reduce_(
+        1, index.flatten(1), torch.where(live, scores[..., :width], 0.0).flatten(1), reduce="amax")
+    return output, torch.cat([old, scores[..., width:].transpose(1, 2).flatten(1)], dim=-1).unsqueeze(1)
 
 
 def _sdpa_serves(keys: torch.Tensor, softcap: float | None) -> bool:

@@ -238,6 +238,21 @@ def folded_single_query(queries: torch.Tensor, keys: torch.Tensor, values: torch
     return output, None if observed is None else summed
 
 
+def per_head_rows_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             key_valid: torch.Tensor, observed: torch.Tensor,
+                             scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Output (B, q, H, d) and the most attention an observed query of each KV head's group gives each slot
+    (B, H_kv, T) of a forward over keys whose live slots differ per KV head: ``key_valid`` (B, H_kv, T) (a folded
+    layer's heads laid out as rows, ``ragged.folded_attention``), on the compiled kernel; None where it does not
+    serve (accelerators, no compiler)."""
+    if not native.supports(queries, keys, values):
+        return None
+    kernel = native.kernel()
+    if kernel is None:
+        return None
+    return _native_fused(kernel, queries, keys, values, key_valid, observed, scaling, None, True)[::-1]
+
+
 def triton_serves(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """The Triton kernels take a multi-token fused pass on accelerators (on CPU only when ``TRITON_ON_CPU`` is
     set, under Triton's interpreter: the tests' way to run the accelerator path); a decode step keeps the torch

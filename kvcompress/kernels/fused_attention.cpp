@@ -18,8 +18,9 @@
 //
 // Layouts (last dimension contiguous): queries (B, H, L, d), keys (B, H_kv, T, d), values (B, H_kv, T, dv);
 // the last L slots are this forward's tokens, so row i sees slots [0, T - L + i]; `scale` multiplies the
-// logits. key_bias (B, T) adds 0 / -inf for dead slots to observed rows only; row_weight (B, L) weighs each
-// row's contribution to the column sums (observed 1, else 0). Either may be empty.
+// logits. key_bias (B, T), or (B, H_kv, T) where each KV head's slots are live apart (a folded layer's heads laid
+// out as rows, kvcompress/ragged.py), adds 0 / -inf for dead slots to observed rows only; row_weight (B, L)
+// weighs each row's contribution to the column sums (observed 1, else 0). Either may be empty.
 // slot_head (B, T) int64, a decode step only, marks a folded layer (kvcompress/ragged.py): every KV head's slots
 // share one row, keys and values come expanded to (B, H_kv, T, d) with a zero head stride, and the pair (b, kv)
 // sees only the slots whose head is kv: it copies them contiguous and multiplies only them (a folded decode step
@@ -189,6 +190,7 @@ struct Operands {
   const int64_t* slot_head;  // a folded layer's KV head of each slot (B, T), else nullptr
   int64_t batch, heads, length, head_dim, kv_heads, total, value_dim, groups;
   int64_t qSB, qSH, qSM, kSB, kSH, kSN, vSB, vSH, vSN;
+  int64_t biasSB, biasSH;  // key_bias strides: (B, T) is one row for every KV head (biasSH 0), (B, H_kv, T) one each
 };
 
 template <typename T>
@@ -202,6 +204,10 @@ Operands<T> operands(const torch::Tensor& queries, const torch::Tensor& keys, co
   o.k = keys.data_ptr<T>();
   o.v = values.data_ptr<T>();
   o.bias = key_bias.numel() > 0 ? key_bias.data_ptr<float>() : nullptr;
+  TORCH_CHECK(o.bias == nullptr || (key_bias.stride(-1) == 1 && (key_bias.dim() == 2 || key_bias.dim() == 3)),
+              "fused_attention: key_bias is (B, T) or (B, H_kv, T), its last dimension contiguous");
+  o.biasSB = o.bias != nullptr ? key_bias.stride(0) : 0;
+  o.biasSH = o.bias != nullptr && key_bias.dim() == 3 ? key_bias.stride(1) : 0;
   o.weight = row_weight.numel() > 0 ? row_weight.data_ptr<float>() : nullptr;
   o.slot_head = slot_head.numel() > 0 ? slot_head.data_ptr<int64_t>() : nullptr;
   o.batch = queries.size(0), o.heads = queries.size(1), o.length = queries.size(2), o.head_dim = queries.size(3);
@@ -420,7 +426,8 @@ std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool 
   auto chunk_pass = [&](int64_t pair, int64_t c) {  // logits, maximum, exponentials, sum, output of one chunk
     const int64_t b = pair / o.kv_heads, kv = pair % o.kv_heads, h0 = kv * o.groups;
     const int64_t n0 = c * chunk_len, n = std::min(chunk_len, o.total - n0);
-    const float* bias = o.bias != nullptr && observed(b) != 0.0f ? o.bias + b * o.total + n0 : nullptr;
+    const float* bias = o.bias != nullptr && observed(b) != 0.0f ? o.bias + b * o.biasSB + kv * o.biasSH + n0
+                                                                  : nullptr;
     float* s = exps + pair * o.groups * o.total;
     T* rounded_pair = rounded.empty() ? nullptr : rounded.data() + pair * o.groups * o.total;
     // the chunk's columns: its n slots as they lie, or a folded pair's m own slots (columns_of_own_slots)
@@ -575,7 +582,7 @@ std::vector<torch::Tensor> causal_blocks(const Operands<T>& o, const Products& p
       const int64_t visible = base + m0 + rows;  // slots the block's last row sees
       const T* q = o.q + b * o.qSB + h * o.qSH + m0 * o.qSM;
       float* out = out_data + b * oSB + m0 * oSM + h * o.value_dim;
-      const float* bias = o.bias != nullptr ? o.bias + b * o.total : nullptr;
+      const float* bias = o.bias != nullptr ? o.bias + b * o.biasSB + kv * o.biasSH : nullptr;
       const float* weight = o.weight != nullptr ? o.weight + b * o.length + m0 : nullptr;
       std::fill(running_max.begin(), running_max.end(), kNegInf);
       std::fill(running_sum.begin(), running_sum.end(), 0.0f);

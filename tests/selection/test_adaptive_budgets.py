@@ -384,8 +384,9 @@ def test_the_runners_full_cache_bytes_of_a_folded_cache_are_the_uncompressed_cac
 def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, path):
     """The folded attention against plain per-head softmax attention over each head's live slots (soft-capped as
     Gemma 2 does where asked), on random slots: two sequences, three KV heads of two query heads each. Every path:
-    the compiled kernel (a CPU decode step; on two threads, the pairs' slots cut into chunks of its key block),
-    sdpa (CPU) and the eager formula (soft-capping, accelerators, scoring), there in chunks of one row.
+    the compiled kernel (a CPU decode step, on two threads the pairs' slots cut into chunks of its key block; a
+    longer forward over the heads laid out as rows, in key blocks of 8), sdpa (CPU) and the eager formula
+    (soft-capping, accelerators, scoring), there in chunks of one row.
     With observed queries (the last token of the second sequence unobserved) a slot's score is the most attention
     an observed query of its KV head's group gives it, and a new slot no observed query can see scores 0; the
     kernel's unobserved rows (padding tokens, never read) also see their head's dead slots, as its rectangular
@@ -396,13 +397,14 @@ def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, p
 
     cached = 11
     if path == "kernel":
-        if length > 1 or softcap:
-            pytest.skip("the kernel serves decode steps without soft-capping")
+        if softcap:
+            pytest.skip("the kernel serves attention without soft-capping")
         assert native.kernel() is not None
         monkeypatch.setattr(native, "KEY_BLOCK", 8)
         cached = 120
     else:
         monkeypatch.setattr(ragged, "folded_single_query", lambda *args: None)
+        monkeypatch.setattr(ragged, "per_head_rows_attention", lambda *args: None)
     if path == "eager in chunks":
         monkeypatch.setattr(ragged, "_sdpa_serves", lambda keys, softcap: False)
         monkeypatch.setattr(ragged, "LOGIT_ELEMENTS", 1)
