@@ -9,13 +9,13 @@ widest sequence's, others left-filled with dead slots), head-major, and every sl
 answer) append H_kv slots each, token-major, one per head.
 
 Attention over a folded layer is the session's own (``folded_attention``): the queries of KV head h's group see
-the live slots of head h, causally. On CPU the compiled kernel does a per-head kernel's products (the AdaKV
+the live slots of head h, causally. The compiled kernel (CPU) does a per-head kernel's products (the AdaKV
 repository's varlen CUDA path does the same): a decode step directly (``kernels.attention.folded_single_query``:
 each pair's own slots, no mask, scores in the same pass), a longer forward over the heads laid out as rows
-(``_as_head_rows``). Elsewhere it is a multi-query attention over all N slots with a head mask, H_kv times those
-multiply-adds with no padding and no copy of the cache: torch's sdpa on CPU without the kernel, the eager formula
-on accelerators, whose products spread over the device (sdpa gives one (batch, head) pair of a few rows to a
-single block).
+(``_as_head_rows``), as the Triton kernels do on accelerators. Elsewhere (an accelerator's decode step, no
+kernel, soft-capping) it is a multi-query attention over all N slots with a head mask, H_kv times those
+multiply-adds with no padding and no copy of the cache: torch's sdpa on CPU, the eager formula on accelerators,
+whose products spread over the device (sdpa gives one (batch, head) pair of a few rows to a single block).
 """
 
 from __future__ import annotations
@@ -136,11 +136,12 @@ def folded_attention(
 def _as_head_rows(query, keys, values, slot_valid, slot_head, kv_heads: int, scaling: float,
                   observed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A multi-token forward over a folded layer (a prompt, a chunk, a reconstruction pass) as over a rectangular
-    one, on the compiled kernel: each KV head's cached slots gathered into a row (``head_grid``: right-aligned,
+    one, on the compiled kernel or the Triton kernels: each KV head's cached slots gathered into a row
+    (``head_grid``: right-aligned,
     dead cells on the left, masked per head), the forward's own slots after them in token order, so that the
-    kernel's causal blocks and its maximum mode serve it; the scores go back to the folded slots. A copy of the
-    layer per forward, against the masked attention's KV-heads times the work over every slot; None where the
-    kernel does not serve."""
+    kernels' causal blocks and their maximum mode serve it; the scores go back to the folded slots. A copy of the
+    layer per forward, against the masked attention's KV-heads times the work over every slot; None where no
+    kernel serves."""
     batch, _, length, dim = query.shape
     cached = keys.shape[-2] - length * kv_heads
     index, live = head_grid(slot_head[:, :cached], slot_valid[:, :cached], kv_heads)  # (B, H_kv, W)

@@ -243,14 +243,16 @@ def per_head_rows_attention(queries: torch.Tensor, keys: torch.Tensor, values: t
                              scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Output (B, q, H, d) and the most attention an observed query of each KV head's group gives each slot
     (B, H_kv, T) of a forward over keys whose live slots differ per KV head: ``key_valid`` (B, H_kv, T) (a folded
-    layer's heads laid out as rows, ``ragged.folded_attention``), on the compiled kernel; None where it does not
-    serve (accelerators, no compiler)."""
-    if not native.supports(queries, keys, values):
-        return None
-    kernel = native.kernel()
-    if kernel is None:
-        return None
-    return _native_fused(kernel, queries, keys, values, key_valid, observed, scaling, None, True)[::-1]
+    layer's heads laid out as rows, ``ragged.folded_attention``), on the compiled kernel (CPU) or the Triton
+    kernels (accelerators); None where neither serves."""
+    kernel = native.kernel() if native.supports(queries, keys, values) else None
+    if kernel is not None:
+        return _native_fused(kernel, queries, keys, values, key_valid, observed, scaling, None, True)[::-1]
+    if triton_serves(queries, keys, values):
+        scores, output = triton_attention.fused_attention(queries, keys, values, scaling, key_valid, observed,
+                                                          maximum=True)
+        return output, scores
+    return None
 
 
 def triton_serves(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

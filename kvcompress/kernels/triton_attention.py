@@ -99,7 +99,8 @@ def fused_attention(
     """Scores (B, H_kv, T) float32 and, given ``values``, the attention output (B, q, H, d) in the queries' dtype.
 
     ``queries`` (B, H, q, d) post-RoPE, ``keys`` / ``values`` (B, H_kv, T, d) the cache after this forward's
-    update; ``slot_valid`` (B, T) bool marks live slots and ``observed`` (B, q) bool the rows whose weights count
+    update; ``slot_valid`` (B, T) bool marks live slots (or (B, H_kv, T), each KV head's own: a folded layer's
+    heads laid out as rows, ``ragged.folded_attention``) and ``observed`` (B, q) bool the rows whose weights count
     (None: all). A score is the sum over the observed rows and the query heads of the slot's KV group of the
     softmax weights (``maximum``: their largest). ``row_block`` / ``key_block`` override the block sizes (tests).
     """
@@ -120,6 +121,8 @@ def fused_attention(
              else torch.empty(0, device=device, dtype=torch.int8))
     rows_seen = (observed.to(device=device, dtype=torch.int8).contiguous() if observed is not None
                  else torch.empty(0, device=device, dtype=torch.int8))
+    # where a sequence's, and a KV head's, validity starts: one row for every head, or one each
+    valid_strides = (valid.stride(0), valid.stride(1) if valid.dim() == 3 else 0) if slot_valid is not None else (0, 0)
     common = dict(
         HAS_VALID=slot_valid is not None, HAS_OBSERVED=observed is not None, BLOCK_D=dim_block,
         UPCAST=interpreted() or queries.dtype == torch.float32, num_warps=sizes["warps"],
@@ -135,13 +138,13 @@ def fused_attention(
         _forward[(triton.cdiv(groups * length, forward_rows), batch * kv_heads)](
             queries, keys, values, output, lse, valid, rows_seen,
             *queries.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
-            *(output.stride()[:3] if need_output else (0, 0, 0)),
+            *(output.stride()[:3] if need_output else (0, 0, 0)), *valid_strides,
             kv_heads, groups, length, total, head_dim, scaling * LOG2_E,
             NEED_OUTPUT=need_output, BLOCK_M=forward_rows, BLOCK_N=forward_keys, **common,
         )
     _column_statistics[(triton.cdiv(total, column_keys), batch * kv_heads)](
         queries, keys, lse, scores, valid, rows_seen,
-        *queries.stride()[:3], *keys.stride()[:3],
+        *queries.stride()[:3], *keys.stride()[:3], *valid_strides,
         kv_heads, groups, length, total, head_dim, scaling * LOG2_E,
         MAXIMUM=maximum, BLOCK_M=column_rows, BLOCK_N=column_keys, **common,
     )
@@ -201,13 +204,13 @@ if triton is not None:
         return tl.load(pointers, mask=(token < length)[:, None] & (dims < head_dim)[None, :], other=0.0)
 
     # lengths, and the strides that follow them, change from call to call: compiled once, not per value
-    _VARYING = ["stride_qb", "stride_qh", "stride_kb", "stride_kh", "length", "total"]
+    _VARYING = ["stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_validb", "stride_validh", "length", "total"]
 
     @triton.jit(do_not_specialize=[*_VARYING, "stride_vb", "stride_vh", "stride_ob", "stride_om"])
     def _forward(
         Q, K, V, OUT, LSE, VALID, OBSERVED,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-        stride_ob, stride_om, stride_oh,
+        stride_ob, stride_om, stride_oh, stride_validb, stride_validh,
         kv_heads, groups, length, total, head_dim, scale,
         HAS_VALID: tl.constexpr, HAS_OBSERVED: tl.constexpr, NEED_OUTPUT: tl.constexpr, UPCAST: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -227,6 +230,7 @@ if triton is not None:
             observed = real
         k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
         v_base = V + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
+        valid_base = VALID + batch.to(tl.int64) * stride_validb + kv_head * stride_validh
         tokens_seen = (block * BLOCK_M + BLOCK_M - 1) // groups + 1
         if tokens_seen > length:
             tokens_seen = length
@@ -242,7 +246,7 @@ if triton is not None:
             logits = _dot(q, k, UPCAST) * scale
             allowed = inside[None, :] & (slot[None, :] <= base + token[:, None])
             if HAS_VALID:
-                live = tl.load(VALID + batch * total + slot, mask=inside, other=0) != 0
+                live = tl.load(valid_base + slot, mask=inside, other=0) != 0
                 allowed = allowed & (live[None, :] | ~observed[:, None])
             logits = tl.where(allowed, logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 1))
@@ -266,7 +270,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=_VARYING)
     def _column_statistics(
         Q, K, LSE, SCORES, VALID, OBSERVED,
-        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_validb, stride_validh,
         kv_heads, groups, length, total, head_dim, scale,
         HAS_VALID: tl.constexpr, HAS_OBSERVED: tl.constexpr, MAXIMUM: tl.constexpr, UPCAST: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -282,7 +286,8 @@ if triton is not None:
                     mask=inside[None, :] & (dims < head_dim)[:, None], other=0.0)
         counted = inside
         if HAS_VALID:
-            counted = counted & (tl.load(VALID + batch * total + slot, mask=inside, other=0) != 0)
+            valid_base = VALID + batch.to(tl.int64) * stride_validb + kv_head * stride_validh
+            counted = counted & (tl.load(valid_base + slot, mask=inside, other=0) != 0)
         if MAXIMUM:
             acc = tl.full([BLOCK_N], float("-inf"), tl.float32)
         else:

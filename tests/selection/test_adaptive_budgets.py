@@ -378,21 +378,22 @@ def test_the_runners_full_cache_bytes_of_a_folded_cache_are_the_uncompressed_cac
     assert held * PROMPT == full * _adaptive().max_cache_size
 
 
-@pytest.mark.parametrize("path", ["kernel", "sdpa", "eager in chunks"])
+@pytest.mark.parametrize("path", ["kernel", "triton", "sdpa", "eager in chunks"])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("length", [1, 3])
 def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, path):
     """The folded attention against plain per-head softmax attention over each head's live slots (soft-capped as
     Gemma 2 does where asked), on random slots: two sequences, three KV heads of two query heads each. Every path:
     the compiled kernel (a CPU decode step, on two threads the pairs' slots cut into chunks of its key block; a
-    longer forward over the heads laid out as rows, in key blocks of 8), sdpa (CPU) and the eager formula
-    (soft-capping, accelerators, scoring), there in chunks of one row.
+    longer forward over the heads laid out as rows, in key blocks of 8), the accelerators' Triton kernels over the
+    same rows (interpreted), sdpa (CPU) and the eager formula (soft-capping, accelerators' decode steps), there in
+    chunks of one row.
     With observed queries (the last token of the second sequence unobserved) a slot's score is the most attention
     an observed query of its KV head's group gives it, and a new slot no observed query can see scores 0; the
     kernel's unobserved rows (padding tokens, never read) also see their head's dead slots, as its rectangular
     decode step's do."""
     from kvcompress import ragged
-    from kvcompress.kernels import native
+    from kvcompress.kernels import attention, native
     from kvcompress.ragged import folded_attention
 
     cached = 11
@@ -402,6 +403,11 @@ def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, p
         assert native.kernel() is not None
         monkeypatch.setattr(native, "KEY_BLOCK", 8)
         cached = 120
+    elif path == "triton":
+        if softcap or length == 1:
+            pytest.skip("the Triton kernels serve multi-token forwards without soft-capping")
+        monkeypatch.setenv("KVCOMPRESS_NATIVE", "0")
+        monkeypatch.setattr(attention, "TRITON_ON_CPU", True)
     else:
         monkeypatch.setattr(ragged, "folded_single_query", lambda *args: None)
         monkeypatch.setattr(ragged, "per_head_rows_attention", lambda *args: None)
@@ -441,7 +447,7 @@ def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, p
                     logits = softcap * torch.tanh(logits / softcap)
                 expected = logits.softmax(-1) @ values[b, 0, own]
                 torch.testing.assert_close(got[b, token, head], expected, rtol=0, atol=1e-5)
-                if observed[b, token] or path != "kernel":  # the kernel's unobserved (padding) rows see dead slots
+                if observed[b, token] or path not in ("kernel", "triton"):  # kernels: padding rows see dead slots
                     torch.testing.assert_close(scored[b, token, head], expected, rtol=0, atol=1e-5)
                 if observed[b, token]:
                     expected_scores[b, 0, own] = torch.maximum(expected_scores[b, 0, own], logits.softmax(-1))
