@@ -129,10 +129,13 @@ class BudgetPlan:
     def due(self, state: LayerState, total: int, slack: float) -> bool:
         """Whether a layer now holding ``total`` slots evicts: more than ``slack`` past its fewest budget, or with
         a ``score_threshold`` more than ``slack`` slots added since its last eviction (a prompt always is). A
-        folded layer counts its slots per head (its heads hold heads × budget slots together)."""
+        folded layer, whose heads hold the counts a selection gave them, evicts once more than ``slack`` slots
+        per head joined since its last eviction (a prompt always does)."""
         if self.parameters.score_threshold is not None:
             return total > state.kept_length + slack
-        return total > (self.fewest_slots(state) + slack) * (state.folded_heads or 1)
+        if state.folded_heads:
+            return total > state.kept_length + slack * state.folded_heads
+        return total > self.fewest_slots(state) + slack
 
     def slack(self, length: int, evicting: bool) -> float:
         """How far past its budget a layer may grow before it evicts: 0 after a multi-token forward, the decode

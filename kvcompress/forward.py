@@ -140,7 +140,8 @@ class Forward:
         return result
 
     def evict(self, layers: list[tuple[nn.Module, CompressedLayer]], slack: float, allocate: bool = False) -> None:
-        evict(layers, self.scorer, self.budget, slack, allocate, self.inv_freq, self.timings)
+        evict(layers, self.scorer, self.budget, slack, allocate, self.inv_freq, self.timings,
+              decoding=self.length == 1)
 
     def _layer_state(self, layer: CompressedLayer, index: int, keys: torch.Tensor) -> LayerState:
         """The layer's state; a layer seen for the first time in a sequence (empty cache) starts empty."""

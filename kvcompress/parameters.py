@@ -204,11 +204,12 @@ class KVCacheCompressionParameters:
                     f"head_selection='per_head', got head_selection={self.head_selection!r} (for layers alone, "
                     "budget_allocation='global')"
                 )
-            if self.compress_during_decoding:
+            if self.compress_during_decoding and not scorer_class(self.method).scores_folded_layers:
                 raise ValueError(
-                    f"budget_allocation={self.budget_allocation!r} compresses prompts only (as AdaKV, KVzip and "
-                    "kvpress do: the heads' counts are set by a prompt's competition, decode tokens are appended); set "
-                    "compress_during_decoding=False"
+                    f"budget_allocation={self.budget_allocation!r} with method={self.method!r} compresses prompts "
+                    "only (as AdaKV and kvpress do: decode tokens are appended to the heads' kept slots); set "
+                    "compress_during_decoding=False, or use a method that scores head-wise (folded) layers while "
+                    "decoding ('kvzip', 'kvzap')"
                 )
         if self.pyramid_beta < 1:
             raise ValueError(

@@ -71,6 +71,8 @@ class LayerState:
 
     ``scored_units`` (B,) int64, or None for the parameters' ``intermediate_size``, is the layer's own scored
     area per sequence in eviction units, set when layers compete for one budget (``budget_allocation="global"``).
+    ``head_units`` (B, H_kv) int64, or None, is each KV head's scored area that a head-wise selection gave it at
+    the last prompt: what a decode step's eviction keeps it to (``compress_during_decoding``).
 
     ``append`` combines a forward's scores in place (the spare slots are kept at zero), so a decode step neither
     reallocates nor copies the state; assigning an attribute replaces its buffer. ``statistics`` holds what a
@@ -86,6 +88,7 @@ class LayerState:
         self._buffers: dict[str, torch.Tensor | None] = {}
         self.statistics: dict[str, torch.Tensor] = {}
         self.scored_units = None
+        self.head_units: torch.Tensor | None = None
         self.folded_heads: int | None = None  # KV heads folded into one row (``fold_heads``), else None
         self.kept_length = 0  # slots the last eviction kept (a score threshold evicts again once it grew past)
         for name, tensor in zip(self._FIELDS, (head_scores, counts, rope_positions, true_positions, slot_valid,
@@ -197,6 +200,8 @@ class LayerState:
             self.statistics[name] = tensor.index_select(0, rows.to(tensor.device))
         if self.scored_units is not None:
             self.scored_units = self.scored_units.index_select(0, rows.to(self.scored_units.device))
+        if self.head_units is not None:
+            self.head_units = self.head_units.index_select(0, rows.to(self.head_units.device))
 
     def gather(self, keep: torch.Tensor) -> None:
         """Keep only the slots ``keep``, in that order: (B, K), or (B, H_kv, K) per head (the caller then sets
@@ -273,8 +278,7 @@ class LayerState:
         """Bytes the state holds (its buffers, spare capacity included, and the scorer's statistics)."""
         tensors = [buffer for buffer in self._buffers.values() if buffer is not None]
         tensors += list(self.statistics.values())
-        if self._scored_units is not None:
-            tensors.append(self._scored_units)
+        tensors += [units for units in (self._scored_units, self.head_units) if units is not None]
         return sum(tensor.nbytes for tensor in tensors)
 
     @property

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def evict(layers: list[tuple[nn.Module, CompressedLayer]], scorer: Scorer, plan: BudgetPlan, slack: float,
           allocate: bool = False, inv_freq: torch.Tensor | None = None,
-          timings: dict[str, float] | None = None) -> None:
+          timings: dict[str, float] | None = None, decoding: bool = False) -> None:
     """Compact ``layers`` (module, cache layer) with one selection for all of them, ranked by ``scorer``'s
     eviction scores, to ``plan``'s budgets (a layer over its budget by at most ``slack`` keeps everything).
 
@@ -35,7 +35,9 @@ def evict(layers: list[tuple[nn.Module, CompressedLayer]], scorer: Scorer, plan:
     total by score (``budget_allocation="global"``), and each keeps its share from then on; with
     ``"global_adaptive"`` every (layer, head) of a sequence competes for the total instead. ``inv_freq``: the
     rotary frequencies, where the parameters rerotate kept keys to compact positions. ``timings`` collects the
-    seconds of selection and compaction.
+    seconds of selection and compaction. ``decoding`` (a decode step's eviction): with head-wise allocations each
+    head keeps the scored area the last prompt's competition gave it (``LayerState.head_units``), so a long
+    generation holds the prompt's budget, split as the prompt split it.
     """
     timings = timings if timings is not None else {}
     parameters = plan.parameters
@@ -82,9 +84,16 @@ def evict(layers: list[tuple[nn.Module, CompressedLayer]], scorer: Scorer, plan:
         head_units = units.repeat_interleave(heads)
         if not adaptive:
             head_rows = slot_rows[:, None].expand(-1, heads, -1)
+        elif decoding:  # each head keeps its share of the last prompt (uniform before any prompt evicted)
+            head_units = torch.cat([units[number * batch : (number + 1) * batch, None].expand(-1, heads)
+                                    if state.head_units is None else state.head_units
+                                    for number, state in enumerate(states)]).reshape(-1)
         else:  # the heads of a (layer, sequence), or of every layer, share the scored areas by score
             layers_compete = len(layers) if allocate else 1
-            head_units = adaptive_scored_units(scores, head_rows, parameters, units, layers_compete).reshape(-1)
+            head_units = adaptive_scored_units(scores, head_rows, parameters, units, layers_compete)
+            head_units = torch.where(over[:, None], head_units, units[:, None]).reshape(-1)  # others: uniform
+            for number, state in enumerate(states):
+                state.head_units = head_units.view(len(layers), batch, heads)[number]
         keep = select_keep_mask(scores.reshape(-1, 1, width), head_rows.reshape(-1, width), parameters, None,
                                 head_units)
         keep = torch.where(over[:, None, None], keep.view(-1, heads, width), head_rows)

@@ -332,6 +332,49 @@ def test_a_folded_kvzap_cache_scores_its_new_tokens_and_compresses_every_chat_tu
     assert all(len(head) == heads_budget + 3 * NEW - 1 for layer in kept[-1] for row in layer for head in row)
 
 
+@pytest.mark.parametrize("method", ["kvzip", "kvzap"])
+def test_a_folded_cache_evicts_while_decoding_as_the_rectangular_per_head_cache_does(tmp_path, method):
+    """With ``compress_during_decoding`` a head-wise cache evicts as it decodes (the methods that score folded
+    layers): each head keeps the count its prompt's selection gave it. With ``adaptive_floor=1`` that count is
+    the budget, so the folded cache must keep, step after step and turn after turn, what the rectangular per-head
+    cache keeps with the same decode evictions, and answer the same; each head then holds exactly its budget."""
+    from kvcompress.surrogate import random_surrogate
+
+    model = _model(kv_heads=2)
+    options = {"chunk_size": 32}
+    if method == "kvzap":
+        options = {"weights": str(random_surrogate(model, seed=7, name="tiny").save(tmp_path / "tiny.safetensors"))}
+    turns = [random_tokens(PROMPT), random_tokens(40, seed=1)]
+    runs = [_turns(model, _kvzip(allocation, method=method, scorer_options=options, compress_during_decoding=True,
+                                 decode_slack=2), turns, new_tokens=3 * NEW)
+            for allocation in ("adaptive", "uniform")]
+    (folded_answers, folded_kept, folded_bytes), (answers, kept, rectangular_bytes) = runs
+    assert folded_kept == kept and folded_bytes == rectangular_bytes
+    for folded, rectangular in zip(folded_answers, answers):
+        assert torch.equal(folded, rectangular)
+    heads_budget = SIZES["start_size"] + SIZES["intermediate_size"] + SIZES["recent_size"]
+    # 3·NEW - 1 tokens fed back since the turn's eviction, evicted every decode_slack + 1 = 3 steps: 2 past it
+    assert all(len(head) == heads_budget + 2 for layer in kept[-1] for row in layer for head in row)
+
+
+def test_global_adaptive_kvzip_holds_each_layers_share_while_decoding():
+    """``global_adaptive`` with ``compress_during_decoding``: the prompt's competition gives each (layer, head)
+    its count; a long generation then evicts each head back to that count, so the cache holds exactly the
+    nominal budget (all layers and heads together) after every eviction, and each head its prompt-time count."""
+    model = _model(kv_heads=2)
+    params = _kvzip("global_adaptive", adaptive_floor=0.2, compress_during_decoding=True, decode_slack=0)
+    with KVCacheCompressor(params, tokenizer=TinyTokenizer())(model) as session:
+        with torch.no_grad():
+            cache = model(random_tokens(PROMPT), use_cache=True).past_key_values
+            after_prompt = [[len(head) for head in _kept_per_head(state)[0]] for state in session.layers.values()]
+            for step in range(3 * NEW):
+                model(random_tokens(1, seed=step), cache=cache, use_cache=True)
+        during = [[len(head) for head in _kept_per_head(state)[0]] for state in session.layers.values()]
+    budget = SIZES["start_size"] + SIZES["intermediate_size"] + SIZES["recent_size"]
+    assert during == after_prompt and len(set(sum(after_prompt, []))) > 1  # the heads' shares differ
+    assert kv_cache_bytes(cache) == 2 * 2 * budget * 2 * 8 * 4  # layers, heads, budget, keys and values, d, float32
+
+
 def test_global_adaptive_kvzip_keeps_its_budget_over_chat_turns_and_a_batch_turn_is_each_sequence_alone():
     """With ``global_adaptive`` the heads of every layer compete again at each turn: after each prompt the cache
     holds exactly the nominal budget over all layers and heads (then the answer's tokens), and a left-padded batch
