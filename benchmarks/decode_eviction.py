@@ -9,7 +9,10 @@ tokens; everything after it is forced one token at a time (what a reasoning trac
 cache: every token is a decode step), and the answer is generated greedily and scored with RULER's metric.
 Methods that evict during decoding keep the cache at its budget throughout (KVzap scores each new token with its
 surrogate; SnapKV and H2O by the attention it receives); ``kvzip-prompt`` compresses the prompt with KVzip and then
-keeps every generated token (its reconstruction cannot score them), so its cache grows by the forced tokens.
+keeps every generated token (its reconstruction cannot score them), so its cache grows by the forced tokens;
+``kvzip-decoding`` (KVzip's head-wise preset) and ``kvzap-heads`` (KVzap's scores, every head of every layer
+competing) evict while decoding, each head kept to the count the prompt's selection gave it (KVzip scores a
+decoded token by the most attention later steps give it).
 The table gives records answered and the KV bytes at the answer against the full cache's.
 
 Resumable: every (method, record) is one line of ``<out>.jsonl``, skipped when present.
@@ -45,7 +48,10 @@ METHODS = {  # name -> (preset method, overrides; a "budget" of their own replac
     "kvzap": ("kvzap", {}),
     # what scores below 0.03 leaves, prompt and decoded tokens alike; half the prompt is the cap
     "kvzap-t0.03": ("kvzap", {"score_threshold": 0.03, "budget": 0.5}),
-    "kvzip-prompt": ("kvzip", {"compress_during_decoding": False}),
+    # layer-wise, as first measured (the preset was then); the head-wise preset evicting while decoding beside it
+    "kvzip-prompt": ("kvzip", {"budget_allocation": "global", "compress_during_decoding": False}),
+    "kvzip-decoding": ("kvzip", {"compress_during_decoding": True}),
+    "kvzap-heads": ("kvzap", {"budget_allocation": "global_adaptive", "compress_during_decoding": True}),
     "snapkv": ("snapkv", {}),
     "h2o": ("h2o", {}),
     "expected_attention": ("expected_attention", {}),
