@@ -137,11 +137,10 @@ def _as_head_rows(query, keys, values, slot_valid, slot_head, kv_heads: int, sca
                   observed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A multi-token forward over a folded layer (a prompt, a chunk, a reconstruction pass) as over a rectangular
     one, on the compiled kernel or the Triton kernels: each KV head's cached slots gathered into a row
-    (``head_grid``: right-aligned,
-    dead cells on the left, masked per head), the forward's own slots after them in token order, so that the
-    kernels' causal blocks and their maximum mode serve it; the scores go back to the folded slots. A copy of the
-    layer per forward, against the masked attention's KV-heads times the work over every slot; None where no
-    kernel serves."""
+    (``head_grid``: right-aligned, dead cells on the left, masked per head), the forward's own slots after them in
+    token order, so that the kernels' causal blocks and their maximum mode serve it; the scores go back to the
+    folded slots. A copy of the layer per forward, against the masked attention's KV-heads times the work over
+    every slot; None where no kernel serves."""
     batch, _, length, dim = query.shape
     cached = keys.shape[-2] - length * kv_heads
     index, live = head_grid(slot_head[:, :cached], slot_valid[:, :cached], kv_heads)  # (B, H_kv, W)
