@@ -247,7 +247,10 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def _describe(params: KVCacheCompressionParameters) -> str:
     method = [params.method, params.score_aggregation] if params.scorer.combine == "add" else [params.method]
-    shared = ", the layers sharing the scored slots by score" if params.layers_share_budget else ""
+    shared = {"global": ", the layers sharing the scored slots by score",
+              "adaptive": ", a layer's KV heads sharing its scored slots by score",
+              "global_adaptive": ", every KV head of every layer sharing the scored slots by score",
+              }.get(params.budget_allocation, "")
     return (f"{', '.join([*method, params.strategy])}, {params.max_cache_size} slots per layer = {params.start_size} "
             f"start + {params.intermediate_size} scored + {params.recent_size} recent{shared}")
 
