@@ -39,7 +39,8 @@ def _context(tokenizer, length: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure_one(model_name: str, method: str, budget: int | float, length: int, mode: str, threads: int) -> dict:
+def measure_one(model_name: str, method: str, budget: int | float, length: int, mode: str, threads: int,
+                allocation: str | None = None) -> dict:
     """One prefill in this process: its peak memory above the loaded model, its seconds, the cache's bytes."""
     from kvcompress import compress
     from kvcompress.cache import full_cache_bytes, kv_cache_bytes
@@ -55,7 +56,8 @@ def measure_one(model_name: str, method: str, budget: int | float, length: int, 
         if mode == FULL:
             cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
         else:
-            with compress(model, method=method, budget=budget, tokenizer=tokenizer) as session:
+            overrides = {"budget_allocation": allocation} if allocation else {}
+            with compress(model, method=method, budget=budget, tokenizer=tokenizer, **overrides) as session:
                 cache = session.prefill(ids, chunk_size=None if mode == ONE_SHOT else int(mode.split("-")[1]))
     seconds = time.perf_counter() - started
     return {"length": length, "mode": mode, "dtype": str(model.dtype).removeprefix("torch."),
@@ -70,7 +72,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     for length in args.lengths:
         for mode in modes:
             command = [sys.executable, __file__, "--one", str(length), mode, "--model", args.model, "--method",
-                       args.method, "--budget", str(args.budget), "--threads", str(args.threads)]
+                       args.method, "--budget", str(args.budget), "--threads", str(args.threads),
+                       *(["--budget-allocation", args.budget_allocation] if args.budget_allocation else [])]
             done = subprocess.run(command, capture_output=True, text=True, check=True,
                                   env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -84,7 +87,8 @@ def markdown(rows: list[dict], args: argparse.Namespace, argv: list[str]) -> str
     lines = [
         "# Compressed prefill: one-shot against chunked, peak memory as the context grows", "",
         f"Command: `python benchmarks/chunked_prefill.py {' '.join(argv)}`", "",
-        f"Model `{args.model}` ({rows[0]['dtype']}), {args.method} keeping "
+        f"Model `{args.model}` ({rows[0]['dtype']}), {args.method} "
+        f"(budget_allocation {args.budget_allocation or 'of its preset'}) keeping "
         f"{f'{args.budget:g} of the context' if isinstance(args.budget, float) else f'{args.budget} slots per layer'}, "
         f"{args.threads} thread(s), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}. Each row is a fresh "
         "process; peak = the prefill's high-water mark above the loaded model; × = against the uncompressed "
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default", help="an embedded model (kvcompress.models.model_names())")
     parser.add_argument("--method", default="kvzip")
+    parser.add_argument("--budget-allocation", help="instead of the method preset's (KVzip's: global_adaptive)")
     parser.add_argument("--budget", type=_budget, default=0.2,
                         help="a share of the context (0.2), or slots per layer (1024): flat as the context grows")
     parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192])
@@ -120,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="write <out>.json and <out>.md")
     args = parser.parse_args(argv)
     if args.one:
-        row = measure_one(args.model, args.method, args.budget, int(args.one[0]), args.one[1], args.threads)
+        row = measure_one(args.model, args.method, args.budget, int(args.one[0]), args.one[1], args.threads,
+                          args.budget_allocation)
         print(json.dumps(row))
         return
     argv = list(sys.argv[1:] if argv is None else argv)
