@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from .kernels.attention import folded_single_query, per_head_rows_attention
+from .kernels.attention import folded_single_query, per_head_rows_attention, per_head_rows_serve
 
 LOGIT_ELEMENTS = 1 << 25  # the most logits a folded layer's eager attention holds at once (a chunk of rows)
 
@@ -94,8 +94,8 @@ def folded_attention(
     token-major): query head i of new token j sees the live slots of its KV head among the cached slots and the
     new tokens up to j. The queries of a KV head's group attend as one block of G·q rows, so the mask is one row
     per KV head (B, H_kv, 1, M) in a decode step. A padding query that would see nothing sees everything instead
-    (finite, never read, never observed); on the compiled kernel (a CPU decode step) an unobserved query sees its
-    head's dead slots too. A slot's score is KVzip's rule on the folded layout: only the queries of
+    (finite, never read, never observed); on the kernels (compiled and Triton) an unobserved query sees its head's
+    dead slots too. A slot's score is KVzip's rule on the folded layout: only the queries of
     its own KV head's group can see it, so the most attention any observed row gives it is the most its group
     gives it, as ``kernels.attention.observed_attention(reduce="max")`` scores a rectangular layer. ``all_live``:
     the caller knows every slot live (the kernel's checks are spared).
@@ -105,10 +105,8 @@ def folded_attention(
         step = folded_single_query(query, keys, values, slot_valid, slot_head, kv_heads, scaling, observed, all_live)
         if step is not None:
             return step
-    elif not softcap:
-        rows = _as_head_rows(query, keys, values, slot_valid, slot_head, kv_heads, scaling, observed)
-        if rows is not None:
-            return rows
+    elif not softcap and per_head_rows_serve(query, keys, values):
+        return _as_head_rows(query, keys, values, slot_valid, slot_head, kv_heads, scaling, observed)
     group = query_heads // kv_heads
     device = query.device
     heads = torch.arange(kv_heads, device=device)
@@ -134,13 +132,13 @@ def folded_attention(
 
 
 def _as_head_rows(query, keys, values, slot_valid, slot_head, kv_heads: int, scaling: float,
-                  observed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                  observed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A multi-token forward over a folded layer (a prompt, a chunk, a reconstruction pass) as over a rectangular
     one, on the compiled kernel or the Triton kernels: each KV head's cached slots gathered into a row
     (``head_grid``: right-aligned, dead cells on the left, masked per head), the forward's own slots after them in
     token order, so that the kernels' causal blocks and their maximum mode serve it; the scores go back to the
     folded slots. A copy of the layer per forward, against the masked attention's KV-heads times the work over
-    every slot; None where no kernel serves."""
+    every slot (``kernels.attention.per_head_rows_serve`` says first whether a kernel serves)."""
     batch, _, length, dim = query.shape
     cached = keys.shape[-2] - length * kv_heads
     index, live = head_grid(slot_head[:, :cached], slot_valid[:, :cached], kv_heads)  # (B, H_kv, W)
@@ -152,11 +150,8 @@ def _as_head_rows(query, keys, values, slot_valid, slot_head, kv_heads: int, sca
 
     new_valid = slot_valid[:, cached:].view(batch, length, kv_heads).transpose(1, 2)
     rows_observed = observed if observed is not None else torch.ones_like(slot_valid[:, :length])
-    result = per_head_rows_attention(query, rows(keys), rows(values), torch.cat([live, new_valid], dim=-1),
-                                     rows_observed, scaling)
-    if result is None:
-        return None
-    output, scores = result
+    output, scores = per_head_rows_attention(query, rows(keys), rows(values), torch.cat([live, new_valid], dim=-1),
+                                             rows_observed, scaling)
     if observed is None:
         return output, None
     # a dead cell repeats a slot of its head (head_grid): it adds nothing to the maximum

@@ -238,21 +238,26 @@ def folded_single_query(queries: torch.Tensor, keys: torch.Tensor, values: torch
     return output, None if observed is None else summed
 
 
+def per_head_rows_serve(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether a kernel computes ``per_head_rows_attention`` for tensors like these: the compiled one (CPU) or the
+    Triton kernels (accelerators). Asked before the rows are laid out, which copies the layer."""
+    return (native.supports(queries, keys, values) and native.kernel() is not None) or triton_serves(
+        queries, keys, values)
+
+
 def per_head_rows_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                              key_valid: torch.Tensor, observed: torch.Tensor,
-                             scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                             scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (B, q, H, d) and the most attention an observed query of each KV head's group gives each slot
     (B, H_kv, T) of a forward over keys whose live slots differ per KV head: ``key_valid`` (B, H_kv, T) (a folded
     layer's heads laid out as rows, ``ragged.folded_attention``), on the compiled kernel (CPU) or the Triton
-    kernels (accelerators); None where neither serves."""
+    kernels (accelerators), where ``per_head_rows_serve`` says one does."""
     kernel = native.kernel() if native.supports(queries, keys, values) else None
     if kernel is not None:
         return _native_fused(kernel, queries, keys, values, key_valid, observed, scaling, None, True)[::-1]
-    if triton_serves(queries, keys, values):
-        scores, output = triton_attention.fused_attention(queries, keys, values, scaling, key_valid, observed,
-                                                          maximum=True)
-        return output, scores
-    return None
+    scores, output = triton_attention.fused_attention(queries, keys, values, scaling, key_valid, observed,
+                                                      maximum=True)
+    return output, scores
 
 
 def triton_serves(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

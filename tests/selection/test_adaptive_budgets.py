@@ -453,7 +453,7 @@ def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, p
         monkeypatch.setattr(attention, "TRITON_ON_CPU", True)
     else:
         monkeypatch.setattr(ragged, "folded_single_query", lambda *args: None)
-        monkeypatch.setattr(ragged, "per_head_rows_attention", lambda *args: None)
+        monkeypatch.setattr(ragged, "per_head_rows_serve", lambda *args: False)
     if path == "eager in chunks":
         monkeypatch.setattr(ragged, "_sdpa_serves", lambda keys, softcap: False)
         monkeypatch.setattr(ragged, "LOGIT_ELEMENTS", 1)
