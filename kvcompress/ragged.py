@@ -9,13 +9,13 @@ widest sequence's, others left-filled with dead slots), head-major, and every sl
 answer) append H_kv slots each, token-major, one per head.
 
 Attention over a folded layer is the session's own (``folded_attention``): the queries of KV head h's group see
-the live slots of head h, causally. The compiled kernel (CPU) does a per-head kernel's products (the AdaKV
-repository's varlen CUDA path does the same): a decode step directly (``kernels.attention.folded_single_query``:
-each pair's own slots, no mask, scores in the same pass), a longer forward over the heads laid out as rows
-(``_as_head_rows``), as the Triton kernels do on accelerators. Elsewhere (an accelerator's decode step, no
-kernel, soft-capping) it is a multi-query attention over all N slots with a head mask, H_kv times those
-multiply-adds with no padding and no copy of the cache: torch's sdpa on CPU, the eager formula on accelerators,
-whose products spread over the device (sdpa gives one (batch, head) pair of a few rows to a single block).
+the live slots of head h, causally. The kernels do a per-head kernel's products (the AdaKV repository's varlen
+CUDA path does the same): a decode step directly (``kernels.attention.folded_single_query``: each pair's own slots,
+no mask, scores in the same pass; the compiled kernel on CPU, a split-key Triton kernel on accelerators), a longer
+forward over the heads laid out as rows (``_as_head_rows``). Elsewhere (no kernel, soft-capping) it is a
+multi-query attention over all N slots with a head mask, H_kv times those multiply-adds with no padding and no
+copy of the cache: torch's sdpa on CPU, the eager formula on accelerators, whose products spread over the device
+(sdpa gives one (batch, head) pair of a few rows to a single block).
 """
 
 from __future__ import annotations

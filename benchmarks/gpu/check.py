@@ -4,8 +4,9 @@
 1. Kernels: ``triton_attention.fused_attention`` on the device at the 8B shape's heads (32 query / 8 KV heads of
    128) against the float64 definition computed on the same device (causal softmax, dead slots hidden from
    observed rows, column sums or maxima over observed rows and the query heads of each KV group), for a prefill,
-   a pass after a cached prefix with padding, and bfloat16 / float32 inputs. The interpreter runs the same kernels
-   in the suite; this is what the compiler makes of them.
+   a pass after a cached prefix with padding, and bfloat16 / float32 inputs; ``folded_decode`` (a folded layer's
+   decode step) against a per-head softmax on a layer laid out as a head-wise selection leaves it. The
+   interpreter runs the same kernels in the suite; this is what the compiler makes of them.
 2. Methods: for every registered method (and KVzip with head-wise global selection) on a model of random
    weights, (a) a budget above the prompt must give exactly the uncompressed ``generate``'s tokens, and (b) at 20 %
    kept the cache holds 0.20 of the full cache's bytes and decoding runs.
@@ -95,6 +96,67 @@ def kernel_checks(device: str) -> list[dict]:
     return rows
 
 
+def folded_inputs(device: str, dtype: torch.dtype, batch: int, per_head: int, decoded: int, seed: int = 0):
+    """A folded layer at the 8B shape's heads as a head-wise selection leaves it (each KV head's slots in one
+    stretch, left-filled with dead slots, counts differing per head), then ``decoded`` tokens appended token-major
+    (one slot per head); one query per head (B, 32, 1, 128). Returns queries, keys, values, slot_valid,
+    slot_head."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    counts = torch.randint(per_head // 2, 2 * per_head, (batch, 8), generator=generator, device=device)
+    width = int(counts.sum(-1).max())
+    slot = torch.arange(width, device=device)
+    dead = width - counts.sum(-1, keepdim=True)
+    ends = dead + counts.cumsum(-1)  # (B, 8): where each head's stretch ends
+    folded_head = (slot[None, :, None] >= ends[:, None, :]).sum(-1).clamp(max=7)
+    slot_head = torch.cat([folded_head, torch.arange(8, device=device).repeat(decoded).expand(batch, -1)], -1)
+    slot_valid = torch.cat([slot[None] >= dead, torch.ones(batch, 8 * decoded, dtype=torch.bool, device=device)], -1)
+    total = slot_head.shape[-1]
+    queries = torch.randn(batch, 32, 1, 128, generator=generator, device=device).to(dtype)
+    keys = torch.randn(batch, 1, total, 128, generator=generator, device=device).to(dtype)
+    values = torch.randn(batch, 1, total, 128, generator=generator, device=device).to(dtype)
+    return queries, keys, values, slot_valid, slot_head
+
+
+def folded_reference(queries, keys, values, slot_valid, slot_head, scaling):
+    """Output (B, 1, H, d) and each slot's most attention from its own group (B, 1, M), float64, per query head."""
+    batch, heads = queries.shape[:2]
+    groups = heads // 8
+    output = torch.empty(batch, 1, heads, queries.shape[-1], dtype=torch.float64, device=queries.device)
+    scores = torch.zeros(batch, 1, keys.shape[2], dtype=torch.float64, device=queries.device)
+    for b in range(batch):
+        for head in range(heads):
+            own = slot_valid[b] & (slot_head[b] == head // groups)
+            weights = (keys[b, 0, own].double() @ queries[b, head, 0].double() * scaling).softmax(-1)
+            output[b, 0, head] = weights @ values[b, 0, own].double()
+            scores[b, 0, own] = torch.maximum(scores[b, 0, own], weights)
+    return output, scores
+
+
+def folded_decode_checks(device: str) -> list[dict]:
+    """``triton_attention.folded_decode`` (a folded layer's decode step) against ``folded_reference``."""
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for batch, per_head, decoded in ((1, 1600, 16), (2, 300, 40)):
+            row = {"check": "folded decode kernel", "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+                   "per_head": per_head, "decoded": decoded}
+            try:
+                queries, keys, values, slot_valid, slot_head = folded_inputs(device, dtype, batch, per_head, decoded)
+                observed = torch.ones(batch, 1, dtype=torch.bool, device=device)
+                output, scores = triton_attention.folded_decode(queries, keys, values, slot_valid, slot_head, 8,
+                                                                128**-0.5, observed)
+                expected_output, expected_scores = folded_reference(queries, keys, values, slot_valid, slot_head,
+                                                                    128**-0.5)
+                score_error = float((scores.double() - expected_scores).abs().max())
+                output_error = float((output.double() - expected_output).abs().max())
+                output_tolerance = 2e-5 if dtype == torch.float32 else 3e-2
+                row.update(score_error=score_error, output_error=output_error,
+                           passed=score_error <= 1e-4 and output_error <= output_tolerance)
+            except Exception as error:  # noqa: BLE001 - recorded, the next check runs
+                row.update(passed=False, error=_error(error))
+            _record(rows, row)
+    return rows
+
+
 def method_checks(device: str, plan: list[tuple[str, int, str]], deadline: float) -> list[dict]:
     rows = []
     variants = [(m, m, {}) for m in kvcompress.method_names() if m != "none"]
@@ -164,7 +226,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="check.json")
     args = parser.parse_args(argv)
     deadline = STARTED + args.deadline_s if args.deadline_s else float("inf")
-    rows = kernel_checks(args.device) if args.device != "cpu" else []
+    rows = kernel_checks(args.device) + folded_decode_checks(args.device) if args.device != "cpu" else []
     plan = [(shape, int(length), dtype) for shape, length, dtype in (item.split(":") for item in args.plan.split(","))]
     rows += method_checks(args.device, plan, deadline)
     done = [row for row in rows if "passed" in row]

@@ -5,7 +5,8 @@ At the 8B shape's heads (32 query / 8 KV heads of 128, bfloat16), per length: to
 what the uncompressed layer pays) against ``triton_attention.fused_attention`` with either forward (torch's flash
 attention with its log-sum-exp, or the Triton forward) and either statistic (H2O's sums, KVzip's maxima), for a
 prefill and for a KVzip reconstruction pass (2,048 rows after the prefix); then the column pass alone over a few
-block shapes. Median of ``--repeats`` CUDA-event timings after a warm-up; writes JSON (``--out``) and prints it.
+block shapes; and a decode step over a folded (head-wise) layer against sdpa over rectangular ones. Median of
+``--repeats`` CUDA-event timings after a warm-up; writes JSON (``--out``) and prints it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import gpu_description  # noqa: E402
+from benchmarks.gpu.check import folded_inputs  # noqa: E402
 from kvcompress.kernels import triton_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
@@ -92,6 +94,46 @@ def measure_case(length: int, case: str, rows: int, total: int, repeats: int, re
         triton_attention.BLOCK_OVERRIDES.clear()
 
 
+def masked_eager(queries, keys, values, slot_valid, slot_head):
+    """A folded decode step as it ran before the split-key kernel: ``ragged.folded_attention`` with no kernel."""
+    from kvcompress import ragged
+
+    kernel_step, ragged.folded_single_query = ragged.folded_single_query, lambda *args: None
+    try:
+        return ragged.folded_attention(queries, keys, values, slot_valid, slot_head, KV_HEADS, DIM**-0.5)
+    finally:
+        ragged.folded_single_query = kernel_step
+
+
+def measure_folded_decode(length: int, repeats: int, record) -> None:
+    """A decode step over 20 % of ``length`` kept: sdpa over the full cache and over a rectangular 20 % (what a
+    layer-wise selection leaves), against a folded layer of as many slots (a head-wise selection's, 16 tokens
+    decoded since) on the split-key kernel (output only, and with KVzip's scores) and on the masked eager formula
+    it replaces."""
+    queries, keys, values = inputs(1, length)
+    full = timed(lambda: torch.nn.functional.scaled_dot_product_attention(queries, keys, values, enable_gqa=True),
+                 repeats)
+    record(length=length, case="decode", path="sdpa, full cache", ms=full, x=1.0)
+    kept = keys[:, :, : length // 5].contiguous(), values[:, :, : length // 5].contiguous()
+    ms = timed(lambda: torch.nn.functional.scaled_dot_product_attention(queries, *kept, enable_gqa=True), repeats)
+    record(length=length, case="decode", path="sdpa, rectangular 20 %", ms=ms, x=ms / full)
+    queries, keys, values, slot_valid, slot_head = folded_inputs("cuda", torch.bfloat16, 1, int(length / 5 / 1.25), 16)
+    observed = torch.ones(1, 1, dtype=torch.bool, device="cuda")
+    paths = {
+        "folded, split-key kernel": lambda: triton_attention.folded_decode(
+            queries, keys, values, slot_valid, slot_head, KV_HEADS, DIM**-0.5),
+        "folded, split-key kernel + scores": lambda: triton_attention.folded_decode(
+            queries, keys, values, slot_valid, slot_head, KV_HEADS, DIM**-0.5, observed),
+        "folded, masked eager": lambda: masked_eager(queries, keys, values, slot_valid, slot_head),
+    }
+    for path, function in paths.items():
+        try:
+            ms = timed(function, repeats)
+            record(length=length, case="decode", path=path, slots=keys.shape[2], ms=ms, x=ms / full)
+        except Exception as error:  # noqa: BLE001 - recorded, the next one runs
+            record(length=length, case="decode", path=path, error=f"{type(error).__name__}: {error}"[:400])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
@@ -110,6 +152,7 @@ def main(argv=None) -> int:
         for case, rows in (("prefill", length), ("reconstruction", 2048)):
             measure_case(length, case, rows, length if case == "prefill" else length + 2048, args.repeats, record)
             torch.cuda.empty_cache()
+        measure_folded_decode(length, args.repeats, record)
     return 0
 
 

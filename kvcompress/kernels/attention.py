@@ -10,9 +10,11 @@ Which implementation runs a fused pass (output and scores together):
 
 * CPU tensors in float32 and bfloat16: the compiled kernel of ``native.py`` (flash-style blocks that stay in the
   core's cache; its speed against sdpa is measured by ``benchmarks/attention_kernel.py``);
-* accelerators, multi-token forwards: the Triton kernels of ``triton_attention.py`` (two launches per layer);
-* everything else (soft-capping, SnapKV's pooled window, a decode step on an accelerator, no compiler; float16
-  on CPU through float32 copies): the torch chunks below, which are also the test reference of the others.
+* accelerators, multi-token forwards and a folded layer's decode steps: the Triton kernels of
+  ``triton_attention.py`` (two launches per layer, or one and a merge);
+* everything else (soft-capping, SnapKV's pooled window, a rectangular decode step on an accelerator, no
+  compiler; float16 on CPU through float32 copies): the torch chunks below, which are also the test reference
+  of the others.
 
 What keeps this cheap (it runs inside every forward of every compressed layer):
 
@@ -216,10 +218,10 @@ def folded_single_query(queries: torch.Tensor, keys: torch.Tensor, values: torch
                         slot_head: torch.Tensor, kv_heads: int, scaling: float,
                         observed: torch.Tensor | None,
                         all_live: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A decode step over a folded layer (``kvcompress/ragged.py``) on the compiled kernel: the output (B, 1, H, d)
-    and, with ``observed`` (B, 1), the most attention the step's query heads give each slot (B, 1, T), else None;
-    None where the kernel does not serve (accelerators, no compiler). ``all_live``: every slot is known live
-    (the checks are spared).
+    """A decode step over a folded layer (``kvcompress/ragged.py``) on the compiled kernel (CPU) or the Triton
+    kernel (accelerators, ``triton_attention.folded_decode``): the output (B, 1, H, d) and, with ``observed``
+    (B, 1), the most attention the step's query heads give each slot (B, 1, T), else None; None where neither
+    serves (no compiler, no Triton). ``all_live``: every slot is known live (the checks are spared).
 
     Each (sequence, KV head) pair picks its own slots out of the row, copies them contiguous and multiplies only
     them: a per-head kernel's products, in one pass with no mask built per step (the masked sdpa and eager formula
@@ -227,10 +229,11 @@ def folded_single_query(queries: torch.Tensor, keys: torch.Tensor, values: torch
     logit-sized tensors in every layer of every step). A slot's score is the most attention its own group gives
     it, as ``observed_attention(reduce="max")`` scores a rectangular layer.
     """
-    if not native.supports(queries, keys, values):
-        return None
-    kernel = native.kernel()
+    kernel = native.kernel() if native.supports(queries, keys, values) else None
     if kernel is None:
+        if triton_serves(queries, keys, values):
+            return triton_attention.folded_decode(queries, keys, values, slot_valid, slot_head, kv_heads, scaling,
+                                                  observed, all_live)
         return None
     rows = observed if observed is not None else torch.ones_like(slot_valid[:, :1])
     summed, output = _native_fused(kernel, queries, keys, values, slot_valid, rows, scaling, all_live, True,
@@ -261,9 +264,10 @@ def per_head_rows_attention(queries: torch.Tensor, keys: torch.Tensor, values: t
 
 
 def triton_serves(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """The Triton kernels take a multi-token fused pass on accelerators (on CPU only when ``TRITON_ON_CPU`` is
-    set, under Triton's interpreter: the tests' way to run the accelerator path); a decode step keeps the torch
-    path, a handful of kernels with no host-device synchronisation."""
+    """The Triton kernels take a multi-token fused pass and a folded layer's decode step on accelerators (on CPU
+    only when ``TRITON_ON_CPU`` is set, under Triton's interpreter: the tests' way to run the accelerator path); a
+    rectangular layer's decode step keeps the torch path, a handful of kernels with no host-device
+    synchronisation."""
     if keys.device.type == "cpu" and not TRITON_ON_CPU:
         return False
     return triton_attention.supports(queries, keys, values)

@@ -1,4 +1,5 @@
-"""The scoring pass on GPUs: attention output and a per-key statistic in two Triton kernels per layer.
+"""The scoring pass on GPUs: attention output and a per-key statistic in two Triton kernels per layer; the decode
+step of a folded layer.
 
 A scorer that observes attention (H2O's column sums, KVzip's column maxima) needs every query's softmax weight of
 every key, which flash-style kernels never hold: a weight is only final once its row's normaliser is. So the pass
@@ -18,6 +19,8 @@ head, token-major, so the keys and values of a block are read once for the whole
 query heads fill one block. A row at forward index i sees the slots up to ``T - q + i`` (the forward's tokens
 are the cache's last q slots); an observed row never sees a dead slot (padding), an unobserved one sees every
 slot (finite output, never read) and adds nothing to the statistic.
+
+A decode step over a folded (head-wise) layer has a kernel of its own, ``folded_decode``.
 
 The kernels run on any device Triton compiles for, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests
 check them against a float64 reference without a GPU). Logits use base 2 (``exp2``), with log2 e folded into the
@@ -149,6 +152,83 @@ def fused_attention(
         MAXIMUM=maximum, BLOCK_M=column_rows, BLOCK_N=column_keys, **common,
     )
     return scores, (output if need_output else None)
+
+
+def folded_decode(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot_valid: torch.Tensor,
+    slot_head: torch.Tensor,
+    kv_heads: int,
+    scaling: float,
+    observed: torch.Tensor | None = None,
+    all_live: bool | None = None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode step over a folded layer (``kvcompress/ragged.py``): the output (B, 1, H, d) in the queries' dtype
+    and, with ``observed`` (B, 1), the most attention the step's query heads give each slot (B, 1, M) float32, else
+    None. ``queries`` (B, H, 1, d); ``keys`` / ``values`` (B, 1, M, d), the heads' slots in one row; ``slot_valid``
+    and ``slot_head`` (B, M) say which slots are live and whose they are; ``all_live`` spares the validity loads.
+
+    Split-key (flash-decoding): a program takes one (sequence, KV head) pair and a chunk of ``chunk`` slots (sized
+    so that the device's processors all have work), multiplies the group's query heads by the slots of its own head
+    only and keeps a partial softmax; the partials merge by their maxima in a few torch operations. A block of
+    slots that holds none of the pair's is skipped after reading the slots' heads (a fold leaves each head's slots
+    in one stretch), so the keys and values are read once in all, as a per-head cache's decode step reads them: the
+    masked multi-query attention it replaces read them once too, but wrote, masked and normalised a float32 logit
+    for every query head and slot of every head, and built a mask, in every layer of every step. The scores use
+    the logits the kernel stores for its own slots and each row's final log-sum-exp."""
+    batch, heads, _, head_dim = queries.shape
+    total = keys.shape[-2]
+    groups = heads // kv_heads
+    device = queries.device
+    queries, keys, values = (_unit_stride(t) for t in (queries, keys, values))
+    block_keys = 16 if interpreted() else 64
+    if chunk is None:
+        chunk = _decode_chunk(total, batch, device, block_keys)
+    splits = triton.cdiv(total, chunk)
+    part_max = torch.empty(batch * kv_heads, splits, groups, device=device, dtype=torch.float32)
+    part_sum = torch.empty_like(part_max)
+    part_output = torch.empty(batch * kv_heads, splits, groups, head_dim, device=device, dtype=torch.float32)
+    logits = (torch.empty(batch, groups, total, device=device, dtype=torch.float32) if observed is not None
+              else part_max.new_empty(0))
+    valid = (slot_valid.to(torch.int8).contiguous() if not all_live
+             else torch.empty(0, device=device, dtype=torch.int8))
+    _folded_decode[(splits, batch * kv_heads)](
+        queries, keys, values, slot_head.contiguous(), valid, part_max, part_sum, part_output, logits,
+        queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(2), values.stride(0), values.stride(2),
+        kv_heads, groups, total, head_dim, chunk, splits, scaling * LOG2_E,
+        HAS_VALID=not all_live, SCORES=observed is not None, UPCAST=interpreted() or queries.dtype == torch.float32,
+        BLOCK_M=max(16, triton.next_power_of_2(groups)), BLOCK_N=block_keys,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=2,
+    )
+    # merge the chunks' partial softmaxes: weights 2^(m_s - max) (a chunk with none of the pair's slots weighs 0)
+    part_max, part_sum = part_max.view(batch, kv_heads, splits, groups), part_sum.view(batch, kv_heads, splits, groups)
+    largest = part_max.amax(2, keepdim=True)
+    weight = torch.exp2(part_max - largest.nan_to_num(neginf=0.0))
+    normaliser = (weight * part_sum).sum(2)  # (B, H_kv, G)
+    output = (weight.unsqueeze(-1) * part_output.view(batch, kv_heads, splits, groups, head_dim)).sum(2)
+    output = (output / normaliser.unsqueeze(-1)).view(batch, 1, heads, head_dim).to(queries.dtype)
+    if observed is None:
+        return output, None
+    # a slot's score: the most any query head of its group gives it, 2^(logit - the row's log-sum-exp)
+    lse = largest.squeeze(2) + torch.log2(normaliser)  # (B, H_kv, G)
+    own_lse = lse.gather(1, slot_head.unsqueeze(-1).expand(-1, -1, groups))  # (B, M, G)
+    scores = torch.exp2(logits.transpose(1, 2) - own_lse).amax(-1)
+    scores = torch.where(slot_valid & observed, scores, 0.0)
+    return output, scores.unsqueeze(1)
+
+
+def _decode_chunk(total: int, batch: int, device: torch.device, block_keys: int) -> int:
+    """Slots per program of a folded decode step: about two programs with work per processor (a chunk inside one
+    head's stretch has work for one of the KV heads' programs only), at least one block of keys; under the
+    interpreter two blocks, so that the tests' short rows cross several chunks."""
+    if interpreted():
+        return 2 * block_keys
+    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
+    chunk = triton.cdiv(total * batch, 2 * processors)
+    return max(block_keys, triton.cdiv(chunk, block_keys) * block_keys)
 
 
 def _flash_serves(queries: torch.Tensor) -> bool:
@@ -316,3 +396,55 @@ if triton is not None:
             acc = tl.exp2(acc)
         tl.store(SCORES + pair * total + slot, acc, mask=inside)
 
+    @triton.jit(do_not_specialize=["stride_qb", "stride_kb", "stride_vb", "total", "chunk", "splits"])
+    def _folded_decode(
+        Q, K, V, SLOT_HEAD, VALID, PART_MAX, PART_SUM, PART_OUTPUT, LOGITS,
+        stride_qb, stride_qh, stride_kb, stride_kn, stride_vb, stride_vn,
+        kv_heads, groups, total, head_dim, chunk, splits, scale,
+        HAS_VALID: tl.constexpr, SCORES: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        split, pair = tl.program_id(0), tl.program_id(1)
+        batch, kv_head = pair // kv_heads, pair % kv_heads
+        row = tl.arange(0, BLOCK_M)  # the group's query heads
+        real = row < groups
+        dims = tl.arange(0, BLOCK_D)
+        in_head = dims < head_dim
+        q = tl.load(Q + batch.to(tl.int64) * stride_qb + (kv_head * groups + row)[:, None] * stride_qh + dims[None, :],
+                    mask=real[:, None] & in_head[None, :], other=0.0)
+        k_base = K + batch.to(tl.int64) * stride_kb
+        v_base = V + batch.to(tl.int64) * stride_vb
+        slot_base = batch.to(tl.int64) * total
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        begin = split * chunk
+        end = begin + chunk
+        if end > total:
+            end = total
+        for start in range(begin, end, BLOCK_N):
+            slot = start + tl.arange(0, BLOCK_N)
+            inside = slot < end
+            mine = inside & (tl.load(SLOT_HEAD + slot_base + slot, mask=inside, other=-1) == kv_head)
+            if HAS_VALID:
+                mine = mine & (tl.load(VALID + slot_base + slot, mask=inside, other=0) != 0)
+            if tl.max(mine.to(tl.int32), 0) > 0:  # another head's stretch: nothing to read
+                k = tl.load(k_base + slot[None, :] * stride_kn + dims[:, None], mask=mine[None, :] & in_head[:, None],
+                            other=0.0)
+                logits = tl.where(mine[None, :], _dot(q, k, UPCAST) * scale, float("-inf"))
+                if SCORES:
+                    tl.store(LOGITS + (batch * groups + row[:, None]).to(tl.int64) * total + slot[None, :], logits,
+                             mask=real[:, None] & mine[None, :])
+                m_new = tl.maximum(m_i, tl.max(logits, 1))
+                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(logits - shift[:, None])
+                alpha = tl.exp2(m_i - shift)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_base + slot[:, None] * stride_vn + dims[None, :], mask=mine[:, None] & in_head[None, :],
+                            other=0.0)
+                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+                m_i = m_new
+        part = (pair * splits + split) * groups + row
+        tl.store(PART_MAX + part, m_i, mask=real)
+        tl.store(PART_SUM + part, l_i, mask=real)
+        tl.store(PART_OUTPUT + part[:, None] * head_dim + dims[None, :], acc, mask=real[:, None] & in_head[None, :])

@@ -17,16 +17,22 @@ from tiny_models import TinyTokenizer, random_tokens, tiny_model
 
 @pytest.fixture
 def triton_path(monkeypatch):
-    """Switch from the torch implementation to the Triton kernels (the compiled CPU kernel off in both)."""
+    """Switch from the torch implementation to the Triton kernels (the compiled CPU kernel off in both); the calls
+    made of them: a fused pass's query shape, or "folded decode"."""
     monkeypatch.setenv("KVCOMPRESS_NATIVE", "0")
     calls = []
-    original = attention._triton_fused
+    fused, folded_decode = attention._triton_fused, attention.triton_attention.folded_decode
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
-        return original(*args, **kwargs)
+        return fused(*args, **kwargs)
+
+    def counted_decode(*args, **kwargs):
+        calls.append("folded decode")
+        return folded_decode(*args, **kwargs)
 
     monkeypatch.setattr(attention, "_triton_fused", counted)
+    monkeypatch.setattr(attention.triton_attention, "folded_decode", counted_decode)
 
     def use(enabled: bool):
         monkeypatch.setattr(attention, "TRITON_ON_CPU", enabled)
@@ -67,7 +73,8 @@ def test_budget_above_the_prompt_gives_the_uncompressed_tokens(triton_path):
 @pytest.mark.parametrize("method, overrides", [("h2o", {}), ("kvzip", {"budget_allocation": "global_adaptive"})])
 def test_padded_batch_keeps_the_slots_of_the_torch_path(triton_path, method, overrides):
     """Two left-padded prompts at 25 % kept: H2O (every query observed, masks for the padding) and KVzip with
-    head-wise global selection (its reconstruction passes on the kernels' maximum, then folded layers)."""
+    head-wise global selection (its reconstruction passes on the kernels' maximum, then folded layers, whose
+    decode steps run the split-key decode kernel)."""
     model = tiny_model("llama")
     ids = random_tokens(32, batch=2, seed=3)
     mask = torch.ones_like(ids)
@@ -77,7 +84,7 @@ def test_padded_batch_keeps_the_slots_of_the_torch_path(triton_path, method, ove
     expected, expected_slots = _run(model, method, 0.25, ids, mask, **overrides)
     calls = triton_path(True)
     got, slots = _run(model, method, 0.25, ids, mask, **overrides)
-    assert calls
+    assert calls and ("folded decode" in calls) == (method == "kvzip")
     assert torch.equal(got.sequences, expected.sequences)
     assert slots.keys() == expected_slots.keys()
     for index, (positions, valid) in slots.items():
