@@ -30,6 +30,7 @@ float32 model keeps the tokens of its uncompressed run.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -173,7 +174,7 @@ def folded_decode(
 
     Split-key (flash-decoding): a program takes one (sequence, KV head) pair and a chunk of ``chunk`` slots (sized
     so that the device's processors all have work), multiplies the group's query heads by the slots of its own head
-    only and keeps a partial softmax; the partials merge by their maxima in a few torch operations. A block of
+    only and keeps a partial softmax; a second launch merges the partials by their maxima. A block of
     slots that holds none of the pair's is skipped after reading the slots' heads (a fold leaves each head's slots
     in one stretch), so the keys and values are read once in all, as a per-head cache's decode step reads them: the
     masked multi-query attention it replaces read them once too, but wrote, masked and normalised a float32 logit
@@ -185,6 +186,7 @@ def folded_decode(
     device = queries.device
     queries, keys, values = (_unit_stride(t) for t in (queries, keys, values))
     block_keys = 16 if interpreted() else 64
+    blocks = dict(BLOCK_M=max(16, triton.next_power_of_2(groups)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
     if chunk is None:
         chunk = _decode_chunk(total, batch, device, block_keys)
     splits = triton.cdiv(total, chunk)
@@ -200,21 +202,16 @@ def folded_decode(
         queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(2), values.stride(0), values.stride(2),
         kv_heads, groups, total, head_dim, chunk, splits, scaling * LOG2_E,
         HAS_VALID=not all_live, SCORES=observed is not None, UPCAST=interpreted() or queries.dtype == torch.float32,
-        BLOCK_M=max(16, triton.next_power_of_2(groups)), BLOCK_N=block_keys,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=2,
+        BLOCK_N=block_keys, num_warps=4, num_stages=2, **blocks,
     )
-    # merge the chunks' partial softmaxes: weights 2^(m_s - max) (a chunk with none of the pair's slots weighs 0)
-    part_max, part_sum = part_max.view(batch, kv_heads, splits, groups), part_sum.view(batch, kv_heads, splits, groups)
-    largest = part_max.amax(2, keepdim=True)
-    weight = torch.exp2(part_max - largest.nan_to_num(neginf=0.0))
-    normaliser = (weight * part_sum).sum(2)  # (B, H_kv, G)
-    output = (weight.unsqueeze(-1) * part_output.view(batch, kv_heads, splits, groups, head_dim)).sum(2)
-    output = (output / normaliser.unsqueeze(-1)).view(batch, 1, heads, head_dim).to(queries.dtype)
+    output = queries.new_empty(batch, 1, heads, head_dim)
+    lse = torch.empty(batch, heads, device=device, dtype=torch.float32)
+    _merge_splits[(batch * kv_heads,)](part_max, part_sum, part_output, output, lse, groups, head_dim, splits,
+                                       num_warps=4, **blocks)
     if observed is None:
         return output, None
     # a slot's score: the most any query head of its group gives it, 2^(logit - the row's log-sum-exp)
-    lse = largest.squeeze(2) + torch.log2(normaliser)  # (B, H_kv, G)
-    own_lse = lse.gather(1, slot_head.unsqueeze(-1).expand(-1, -1, groups))  # (B, M, G)
+    own_lse = lse.view(batch, kv_heads, groups).gather(1, slot_head.unsqueeze(-1).expand(-1, -1, groups))  # (B, M, G)
     scores = torch.exp2(logits.transpose(1, 2) - own_lse).amax(-1)
     scores = torch.where(slot_valid & observed, scores, 0.0)
     return output, scores.unsqueeze(1)
@@ -226,9 +223,14 @@ def _decode_chunk(total: int, batch: int, device: torch.device, block_keys: int)
     interpreter two blocks, so that the tests' short rows cross several chunks."""
     if interpreted():
         return 2 * block_keys
-    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
-    chunk = triton.cdiv(total * batch, 2 * processors)
+    chunk = triton.cdiv(total * batch, 2 * _processors(device))
     return max(block_keys, triton.cdiv(chunk, block_keys) * block_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _processors(device: torch.device) -> int:
+    """The device's streaming multiprocessors (asked once per device, not in every layer of every step)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
 
 
 def _flash_serves(queries: torch.Tensor) -> bool:
@@ -395,6 +397,35 @@ if triton is not None:
         if MAXIMUM:
             acc = tl.exp2(acc)
         tl.store(SCORES + pair * total + slot, acc, mask=inside)
+
+    @triton.jit(do_not_specialize=["splits"])
+    def _merge_splits(PART_MAX, PART_SUM, PART_OUTPUT, OUT, LSE, groups, head_dim, splits,
+                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One (sequence, KV head) pair's output rows (B, 1, H, d), contiguous, from its chunks' partial softmaxes
+        (a chunk with none of the pair's slots has maximum -inf and weighs 0), and each row's base-2 log-sum-exp."""
+        pair = tl.program_id(0)
+        row = tl.arange(0, BLOCK_M)
+        real = row < groups
+        dims = tl.arange(0, BLOCK_D)
+        in_head = real[:, None] & (dims < head_dim)[None, :]
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for split in range(0, splits):
+            part = (pair * splits + split) * groups + row
+            m_split = tl.load(PART_MAX + part, mask=real, other=float("-inf"))
+            m_new = tl.maximum(m_i, m_split)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha, weight = tl.exp2(m_i - shift), tl.exp2(m_split - shift)
+            l_i = l_i * alpha + tl.load(PART_SUM + part, mask=real, other=0.0) * weight
+            partial = tl.load(PART_OUTPUT + part[:, None] * head_dim + dims[None, :], mask=in_head, other=0.0)
+            acc = acc * alpha[:, None] + partial * weight[:, None]
+            m_i = m_new
+        head = pair * groups + row  # sequence · H + KV head · G + row: the row's query head, counted over the batch
+        l_i = tl.where(real, l_i, 1.0)  # the block's rows past the group hold nothing
+        tl.store(LSE + head, m_i + tl.log2(l_i), mask=real)
+        tl.store(OUT + head[:, None] * head_dim + dims[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty),
+                 mask=in_head)
 
     @triton.jit(do_not_specialize=["stride_qb", "stride_kb", "stride_vb", "total", "chunk", "splits"])
     def _folded_decode(
