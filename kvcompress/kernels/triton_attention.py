@@ -155,18 +155,9 @@ def fused_attention(
     return scores, (output if need_output else None)
 
 
-def folded_decode(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    slot_valid: torch.Tensor,
-    slot_head: torch.Tensor,
-    kv_heads: int,
-    scaling: float,
-    observed: torch.Tensor | None = None,
-    all_live: bool | None = None,
-    chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def folded_decode(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_valid: torch.Tensor,
+                  slot_head: torch.Tensor, kv_heads: int, scaling: float, observed: torch.Tensor | None = None,
+                  all_live: bool | None = None, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode step over a folded layer (``kvcompress/ragged.py``): the output (B, 1, H, d) in the queries' dtype
     and, with ``observed`` (B, 1), the most attention the step's query heads give each slot (B, 1, M) float32, else
     None. ``queries`` (B, H, 1, d); ``keys`` / ``values`` (B, 1, M, d), the heads' slots in one row; ``slot_valid``
