@@ -223,11 +223,12 @@ def folded_single_query(queries: torch.Tensor, keys: torch.Tensor, values: torch
     (B, 1), the most attention the step's query heads give each slot (B, 1, T), else None; None where neither
     serves (no compiler, no Triton). ``all_live``: every slot is known live (the checks are spared).
 
-    Each (sequence, KV head) pair picks its own slots out of the row, copies them contiguous and multiplies only
-    them: a per-head kernel's products, in one pass with no mask built per step (the masked sdpa and eager formula
-    it replaces multiplied every query by every head's slots and built a (B, H_kv, T) mask and several
-    logit-sized tensors in every layer of every step). A slot's score is the most attention its own group gives
-    it, as ``observed_attention(reduce="max")`` scores a rectangular layer.
+    On the compiled kernel each (sequence, KV head) pair picks its own slots out of the row, copies them contiguous
+    and multiplies only them (the Triton kernel skips the blocks without them): a per-head kernel's products, in one
+    pass with no mask built per step (the masked sdpa and eager formula it replaces multiplied every query by every
+    head's slots and built a (B, H_kv, T) mask and several logit-sized tensors in every layer of every step). A
+    slot's score is the most attention its own group gives it, as ``observed_attention(reduce="max")`` scores a
+    rectangular layer.
     """
     kernel = native.kernel() if native.supports(queries, keys, values) else None
     if kernel is None:

@@ -428,9 +428,9 @@ def test_folded_attention_equals_a_per_head_loop(monkeypatch, length, softcap, p
     """The folded attention against plain per-head softmax attention over each head's live slots (soft-capped as
     Gemma 2 does where asked), on random slots: two sequences, three KV heads of two query heads each. Every path:
     the compiled kernel (a CPU decode step, on two threads the pairs' slots cut into chunks of its key block; a
-    longer forward over the heads laid out as rows, in key blocks of 8), the accelerators' Triton kernels over the
-    same rows (interpreted), sdpa (CPU) and the eager formula (soft-capping, accelerators' decode steps), there in
-    chunks of one row.
+    longer forward over the heads laid out as rows, in key blocks of 8), the accelerators' Triton kernels
+    (interpreted: a decode step on the split-key kernel, its 123 slots cut into chunks of 32; a longer forward over
+    the same rows), sdpa (CPU) and the eager formula (soft-capping, no kernel), there in chunks of one row.
     With observed queries (the last token of the second sequence unobserved) a slot's score is the most attention
     an observed query of its KV head's group gives it, and a new slot no observed query can see scores 0; the
     kernel's unobserved rows (padding tokens, never read) also see their head's dead slots, as its rectangular
