@@ -9,6 +9,12 @@ MLP with AdamW on mean squared error, with KVzap's own batch size, learning rate
 corpus picks the ridge strength and reports the fit: the rank correlation (Spearman) between predicted and KVzip
 scores, per layer, averaged over heads and contexts.
 
+Each head's predictions are then stretched about their mean to the spread of KVzip's log-scores over the training
+tokens (``_matched_spread``). A least-squares fit shrinks its predictions toward the mean by the share of the
+variance it explains, so a head fitted less well predicts a narrower range: where heads and layers compete for one
+budget (KVzap's shared and head-wise allocations) it would lose slots to better-fitted heads for that reason alone.
+The stretch keeps every head's ranking, so the held-out correlation does not change.
+
 The corpus is the Python language reference shipped with every CPython (``pydoc_data.topics``): offline wherever
 Python runs, English prose with code, numbers and identifiers, and unrelated to the evaluation texts (RULER's
 haystacks, LongBench), so no evaluation record leaks into the weights.
@@ -97,6 +103,7 @@ class _RidgeSums:
         self.count = 0
         self.x = torch.zeros(features, dtype=torch.float64)
         self.y = torch.zeros(targets, dtype=torch.float64)
+        self.yy = torch.zeros(targets, dtype=torch.float64)
         self.xx = torch.zeros(features, features, dtype=torch.float64)
         self.xy = torch.zeros(features, targets, dtype=torch.float64)
 
@@ -105,11 +112,13 @@ class _RidgeSums:
         self.count += features.shape[0]
         self.x += features.sum(0)
         self.y += targets.sum(0)
+        self.yy += targets.square().sum(0)
         self.xx += features.t() @ features
         self.xy += features.t() @ targets
 
     def solve(self, strength: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Weights (H, D) and bias (H,) minimising squared error + ``strength`` · |standardised weights|²."""
+        """Weights (H, D) and bias (H,) minimising squared error + ``strength`` · |standardised weights|², then
+        stretched about the targets' mean to their spread (``_matched_spread``)."""
         mean_x, mean_y = self.x / self.count, self.y / self.count
         covariance = self.xx / self.count - torch.outer(mean_x, mean_x)
         cross = self.xy / self.count - torch.outer(mean_x, mean_y)
@@ -117,8 +126,18 @@ class _RidgeSums:
         standardised = covariance / torch.outer(scale, scale)
         identity = torch.eye(standardised.shape[0], dtype=torch.float64)
         weights = torch.linalg.solve(standardised + strength * identity, cross / scale[:, None]) / scale[:, None]
+        predicted_spread = (weights * (covariance @ weights)).sum(0).sqrt()  # of the predictions, per target
+        target_spread = (self.yy / self.count - mean_y.square()).clamp(min=0).sqrt()
+        weights = weights * _matched_spread(predicted_spread, target_spread)
         bias = mean_y - mean_x @ weights
         return weights.t().float(), bias.float()
+
+
+def _matched_spread(predicted_spread: torch.Tensor, target_spread: torch.Tensor) -> torch.Tensor:
+    """Per head, the factor that stretches predictions about their mean to the targets' standard deviation (1 for a
+    head whose predictions are constant)."""
+    return torch.where(predicted_spread > 0, target_spread / predicted_spread.clamp(min=1e-12),
+                       torch.ones_like(target_spread))
 
 
 def spearman(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -133,7 +152,8 @@ def spearman(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _fit_mlp(features: torch.Tensor, targets: torch.Tensor, hidden_size: int, seed: int) -> tuple[torch.Tensor, ...]:
     """A two-layer MLP (D -> ``hidden_size`` -> GELU -> H) fitted to targets (N, H) from features (N, D), trained
-    on standardised features whose scaling is then folded into the first layer: (W1, b1, W2, b2), float32."""
+    on standardised features whose scaling is then folded into the first layer, its output stretched to the
+    targets' spread (``_matched_spread``): (W1, b1, W2, b2), float32."""
     generator = torch.Generator().manual_seed(seed)
     mean = features.float().mean(0)
     scale = features.float().std(0).clamp(min=1e-6)
@@ -156,7 +176,15 @@ def _fit_mlp(features: torch.Tensor, targets: torch.Tensor, hidden_size: int, se
             schedule.step()
     with torch.no_grad():
         weight = first.weight / scale
-        return weight, first.bias - weight @ mean, second.weight.clone(), second.bias.clone()
+        first_bias = first.bias - weight @ mean
+        inner = torch.cat([nn.functional.gelu(torch.addmm(first_bias, rows.float(), weight.t()))
+                           for rows in features.split(MLP_BATCH * 16)])
+        predicted = torch.addmm(second.bias, inner, second.weight.t())
+        stretch = _matched_spread(predicted.double().std(0, correction=0), targets.double().std(0, correction=0))
+        mean_predicted = predicted.mean(0)
+        second_weight = second.weight * stretch.float()[:, None]
+        second_bias = mean_predicted + (second.bias - mean_predicted) * stretch.float()
+        return weight, first_bias, second_weight, second_bias
 
 
 class _LinearFit:
@@ -260,7 +288,8 @@ def fit_report(surrogate: Surrogate) -> str:
     lines = [f"# KVzap surrogate for {surrogate.model_name}", "",
              f"Corpus: {fit['corpus']}; {fit['training_contexts']} training and {fit['held_out_contexts']} held-out "
              f"contexts of {fit['context_tokens']} tokens; {_model_description(fit)}; "
-             f"{fit['seconds']} s; model in {fit['dtype']}, torch {fit['torch']}.", "",
+             f"{fit['seconds']} s; model in {fit['dtype']}, torch {fit['torch']}. Each head's predictions are "
+             "stretched to the spread of KVzip's log-scores over the training tokens.", "",
              "| layer | held-out Spearman (predicted vs KVzip scores, mean over KV heads) |", "|---|---|"]
     lines += [f"| {layer} | {value:.3f} |" for layer, value in fit["spearman"].items()]
     values = list(fit["spearman"].values())

@@ -93,7 +93,7 @@ def test_ridge_solution_matches_float64_least_squares_and_spearman_its_definitio
     sums = _RidgeSums(6, 2)
     for rows in (slice(0, 200), slice(200, 500)):  # accumulated in pieces, as context by context
         sums.add(features[rows], targets[rows])
-    weight, bias = sums.solve(1e-9)
+    weight, bias = sums.solve(1e-9)  # a near-exact fit: stretched to the targets' spread by about 1
     design = torch.cat([features, torch.ones(500, 1, dtype=torch.float64)], 1)
     solution = torch.linalg.lstsq(design, targets).solution
     torch.testing.assert_close(weight.double(), solution[:6].t(), rtol=1e-4, atol=1e-4)
@@ -103,6 +103,29 @@ def test_ridge_solution_matches_float64_least_squares_and_spearman_its_definitio
     assert spearman(x, -x).item() == pytest.approx(-1.0)
     # ranks 1..5 against 2,1,4,3,5: 1 - 6·Σd²/(n(n²-1)) = 1 - 6·4/120
     assert spearman(x, torch.tensor([[2.0], [1.0], [4.0], [3.0], [5.0]])).item() == pytest.approx(0.8)
+
+
+def test_predictions_are_stretched_to_the_targets_spread_keeping_their_ranks():
+    """Least squares shrinks predictions toward the mean by the share of the variance it explains; stretched back,
+    a head fitted less well keeps the range its KVzip scores have when heads compete for one budget."""
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(3000, 5, generator=generator, dtype=torch.float64)
+    noise = torch.randn(3000, 2, generator=generator, dtype=torch.float64) * torch.tensor([0.1, 2.0]).double()
+    targets = features @ torch.randn(5, 2, generator=generator, dtype=torch.float64) + noise
+    design = torch.cat([features, torch.ones(3000, 1, dtype=torch.float64)], 1)
+    plain = design @ torch.linalg.lstsq(design, targets).solution
+    assert plain[:, 1].std() < 0.9 * targets[:, 1].std()  # the noisy head's plain fit is narrower than its targets
+    sums = _RidgeSums(5, 2)
+    sums.add(features, targets)
+    weight, bias = sums.solve(1e-9)
+    ridge = features @ weight.double().t() + bias.double()
+    torch.testing.assert_close(ridge.std(0), targets.std(0), rtol=1e-5, atol=0)
+    torch.testing.assert_close(ridge.mean(0), targets.mean(0), rtol=0, atol=1e-5)
+    mlp = _fit_mlp(features.float().bfloat16(), targets.float(), 8, seed=0)
+    inner = torch.nn.functional.gelu(features.float().bfloat16().float() @ mlp[0].t() + mlp[1])
+    torch.testing.assert_close((inner @ mlp[2].t() + mlp[3]).double().std(0), targets.std(0), rtol=1e-3, atol=0)
+    for predicted in (ridge, plain):
+        assert spearman(predicted, plain).min().item() == pytest.approx(1.0)
 
 
 def test_training_on_a_tiny_model_gives_weights_that_load_for_it(tmp_path):
