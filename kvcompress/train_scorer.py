@@ -291,7 +291,8 @@ def fit_report(surrogate: Surrogate) -> str:
              f"{fit['seconds']} s; model in {fit['dtype']}, torch {fit['torch']}. Each head's predictions are "
              "stretched to the spread of KVzip's log-scores over the training tokens.", "",
              "| layer | held-out Spearman (predicted vs KVzip scores, mean over KV heads) |", "|---|---|"]
-    lines += [f"| {layer} | {value:.3f} |" for layer, value in fit["spearman"].items()]
+    by_layer = sorted(fit["spearman"].items(), key=lambda item: int(item[0]))  # a loaded file's keys sort as text
+    lines += [f"| {layer} | {value:.3f} |" for layer, value in by_layer]
     values = list(fit["spearman"].values())
     lines.append(f"| mean | {sum(values) / len(values):.3f} |")
     return "\n".join(lines) + "\n"
