@@ -277,6 +277,7 @@ def train_surrogate(model: nn.Module, tokenizer: Any, model_name: str, context_t
         "held_out_contexts": len(evaluation), "seconds": round(time.perf_counter() - started),
         "spearman": {str(layer): round(correlation[best][layer], 4) for layer in layers},
         "torch": torch.__version__, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "spread_matched": True,  # files trained before the stretch lack it: their reports must not claim it
         **fit.settings(best),
     }
     return surrogate
@@ -288,8 +289,9 @@ def fit_report(surrogate: Surrogate) -> str:
     lines = [f"# KVzap surrogate for {surrogate.model_name}", "",
              f"Corpus: {fit['corpus']}; {fit['training_contexts']} training and {fit['held_out_contexts']} held-out "
              f"contexts of {fit['context_tokens']} tokens; {_model_description(fit)}; "
-             f"{fit['seconds']} s; model in {fit['dtype']}, torch {fit['torch']}. Each head's predictions are "
-             "stretched to the spread of KVzip's log-scores over the training tokens.", "",
+             f"{fit['seconds']} s; model in {fit['dtype']}, torch {fit['torch']}."
+             + (" Each head's predictions are stretched to the spread of KVzip's log-scores over the training tokens."
+                if fit.get("spread_matched") else ""), "",
              "| layer | held-out Spearman (predicted vs KVzip scores, mean over KV heads) |", "|---|---|"]
     by_layer = sorted(fit["spearman"].items(), key=lambda item: int(item[0]))  # a loaded file's keys sort as text
     lines += [f"| {layer} | {value:.3f} |" for layer, value in by_layer]

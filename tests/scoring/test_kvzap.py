@@ -5,6 +5,8 @@ The reference score of a token is its surrogate applied to the layer's input hid
 session: the decoder's residual stream (``output_hidden_states``) through the layer's own ``input_layernorm``.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -136,7 +138,10 @@ def test_training_on_a_tiny_model_gives_weights_that_load_for_it(tmp_path):
                               held_out=0.25, log=lambda line: None)
     assert trained.fit["training_contexts"] == 3 and trained.fit["held_out_contexts"] == 1
     assert set(trained.fit["spearman"]) == {"0", "1"} and all(-1 <= v <= 1 for v in trained.fit["spearman"].values())
-    assert "| mean |" in fit_report(trained)
+    assert "| mean |" in fit_report(trained) and "stretched to the spread" in fit_report(trained)
+    earlier = dataclasses.replace(trained, fit={key: value for key, value in trained.fit.items()
+                                                if key != "spread_matched"})  # a file trained before the stretch
+    assert "stretched" not in fit_report(earlier)
     path = trained.save(tmp_path / "tiny.safetensors")
     params = KVCacheCompressionParameters(method="kvzap", start_size=4, intermediate_size=16, recent_size=8,
                                           scorer_options={"weights": str(path)})
