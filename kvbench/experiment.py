@@ -84,6 +84,17 @@ class CompressionSetting:
             return CompressionSession(model, self.parameters, tokenizer)
         return compress(model, self.method, self.budget, tokenizer, **self.overrides)
 
+    def scorer_weights(self, model: Any) -> str | None:
+        """The checksum of the learned weights this setting scores with on ``model`` (KVzap), None for a scorer
+        without learned weights: the setting names a file (or the shipped one) that can be trained again."""
+        from kvcompress import surrogate
+
+        method = self.method if self.parameters is None else self.parameters.method
+        if method != "kvzap":
+            return None
+        options = self.overrides.get("scorer_options") if self.parameters is None else self.parameters.scorer_options
+        return surrogate.for_model(model, (options or {}).get("weights", "")).checksum
+
     def describe(self) -> dict[str, Any]:
         described = {
             "name": self.name, "method": self.method, "budget": self.budget,
@@ -313,11 +324,14 @@ def load_experiment(path: str | Path, default_benchmark: str = DEFAULT_BENCHMARK
     return parse_experiment(config, path.resolve().parent, default_benchmark)
 
 
-def pipeline_record(experiment: Experiment, setting: CompressionSetting, computed_dtype: str) -> dict[str, Any]:
+def pipeline_record(experiment: Experiment, setting: CompressionSetting, computed_dtype: str,
+                    scorer_weights: str | None = None) -> dict[str, Any]:
     """What produces a setting's predictions, written next to them (papers differ exactly here: chat template,
     truncation cap, protocol). ``generation`` must not change while a setting's files are resumed.
     ``computed_dtype`` is the dtype the model computes in (``auto`` resolved: an embedded model's depends on the
-    machine), so that predictions made in bfloat16 are not resumed in float32."""
+    machine), so that predictions made in bfloat16 are not resumed in float32; ``scorer_weights`` the checksum of
+    a learned scorer's weights (``CompressionSetting.scorer_weights``), so that a retrained file does not continue
+    predictions its predecessor started under the same setting name."""
     model = experiment.model
     versions = {}
     for package in ("kvcompress", "transformers", "torch"):
@@ -335,6 +349,7 @@ def pipeline_record(experiment: Experiment, setting: CompressionSetting, compute
             "seed": experiment.seed,
             **experiment.benchmark.pipeline(experiment.options),
             "compression": setting.describe(),
+            **({} if scorer_weights is None else {"scorer_weights": scorer_weights}),
         },
         "versions": versions,
     }

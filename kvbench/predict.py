@@ -114,11 +114,12 @@ def _finalise_task(experiment: Experiment, setting: str, task: str, order: Seque
         path.unlink()
 
 
-def _check_pipeline(experiment: Experiment, setting: CompressionSetting, dtype: str) -> None:
+def _check_pipeline(experiment: Experiment, setting: CompressionSetting, dtype: str, model: Any) -> None:
     """Records the pipeline on first use; refuses to resume predictions that a different pipeline started (a key
     an earlier version did not record is not compared)."""
     path = OutputLayout(experiment.output_dir, experiment.benchmark).pipeline_file(setting.name)
-    record = pipeline_record(experiment, setting, dtype)
+    weights = None if setting.is_full_cache else setting.scorer_weights(model)
+    record = pipeline_record(experiment, setting, dtype, weights)
     if path.exists():
         previous = json.loads(path.read_text(encoding="utf-8"))["generation"]
         changed = sorted(key for key, value in record["generation"].items()
@@ -140,8 +141,6 @@ def predict_experiment(experiment: Experiment, settings: Sequence[CompressionSet
     """Predicts every (setting, task) pair on this rank (``Experiment.select_tasks`` picks the tasks); rank 0 then
     merges all ranks' files."""
     dtype = computed_dtype(experiment.model, shard)
-    for setting in settings:
-        _check_pipeline(experiment, setting, dtype)
     benchmark = experiment.benchmark
     records = {}
     for task in tasks:
@@ -156,6 +155,8 @@ def predict_experiment(experiment: Experiment, settings: Sequence[CompressionSet
             f"model.chat_template: true, but the tokenizer of {experiment.model.path} has no chat template; set it "
             "to false for the raw-prompt pipeline (as SnapKV, AdaKV and PyramidKV ran Mistral)"
         )
+    for setting in settings:  # the model first: a learned scorer's weights are found by its fingerprint
+        _check_pipeline(experiment, setting, dtype, model)
     for setting in settings:
         for task in records:
             predict_task(model, tokenizer, experiment, setting, task, records[task], shard)

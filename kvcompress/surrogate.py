@@ -48,6 +48,7 @@ class Surrogate:
     fit: dict[str, object] = dataclasses.field(default_factory=dict)  # how it was trained (corpus, correlation)
     hidden_weights: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # empty for a linear map
     hidden_biases: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    checksum: str = ""  # of the tensors as read from a file: what names a set of weights in a results record
 
     @property
     def kind(self) -> str:
@@ -117,6 +118,7 @@ def _load(path: str, modified: int) -> Surrogate:  # keyed by modification time:
         hidden_weights={layer: tensors[f"{layer}.hidden.weight"] for layer in layers
                         if f"{layer}.hidden.weight" in tensors},
         hidden_biases={layer: tensors[f"{layer}.hidden.bias"] for layer in layers if f"{layer}.hidden.bias" in tensors},
+        checksum=metadata["checksum"],
     )
 
 

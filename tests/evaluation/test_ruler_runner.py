@@ -221,3 +221,25 @@ def test_kill_9_then_resume_gives_identical_files(reference, tmp_path, make_rule
     assert 3 <= kill_9_after("ruler.cli", config, out) < 3 * len(TASKS) * SAMPLES
     assert main(["run", str(config)]) == 0
     assert _files(out) == _files(reference)
+
+
+def test_predictions_of_retrained_kvzap_weights_are_not_resumed(tmp_path, make_ruler_config, tiny_model_dir, capsys):
+    """The pipeline record names a learned scorer's weights by their checksum: a file trained again under the same
+    path must not continue the predictions of the one before."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcompress.surrogate import load as load_surrogate
+    from kvcompress.surrogate import random_surrogate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    weights = tmp_path / "tiny.safetensors"
+    random_surrogate(model, seed=1).save(weights)
+    setting = {"name": "kvzap", "method": "kvzap", "budget": 0.5, "scorer_options": {"weights": str(weights)}}
+    config = make_ruler_config(tmp_path, tasks=["niah_single_1"], compression=[setting], limit=1)
+    assert main(["predict", str(config)]) == 0
+    recorded = json.loads((tmp_path / "out" / "kvzap" / "pipeline.json").read_text())["generation"]
+    assert recorded["scorer_weights"] == load_surrogate(weights).checksum != ""
+    assert main(["predict", str(config)]) == 0  # the same weights resume
+    random_surrogate(model, seed=2).save(weights)
+    assert main(["predict", str(config)]) == 2
+    assert "were made with different ['scorer_weights']" in capsys.readouterr().err
