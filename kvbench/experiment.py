@@ -84,6 +84,17 @@ class CompressionSetting:
             return CompressionSession(model, self.parameters, tokenizer)
         return compress(model, self.method, self.budget, tokenizer, **self.overrides)
 
+    def parameters_for(self, prompt_tokens: int) -> dict[str, Any] | None:
+        """The parameters a fractional budget gives a prompt of ``prompt_tokens`` (None for a setting whose
+        parameters do not depend on the prompt): what the method's preset meant when the predictions were made,
+        for a later preset may split or allocate the budget otherwise."""
+        if self.is_full_cache or self.parameters is not None or not isinstance(self.budget, float):
+            return None
+        from kvcompress import preset
+        from kvcompress.budget import budget_slots
+
+        return preset(self.method, budget_slots(self.budget, prompt_tokens), **self.overrides).to_dict()
+
     def scorer_weights(self, model: Any) -> str | None:
         """The checksum of the learned weights this setting scores with on ``model`` (KVzap), None for a scorer
         without learned weights: the setting names a file (or the shipped one) that can be trained again."""
@@ -331,8 +342,11 @@ def pipeline_record(experiment: Experiment, setting: CompressionSetting, compute
     ``computed_dtype`` is the dtype the model computes in (``auto`` resolved: an embedded model's depends on the
     machine), so that predictions made in bfloat16 are not resumed in float32; ``scorer_weights`` the checksum of
     a learned scorer's weights (``CompressionSetting.scorer_weights``), so that a retrained file does not continue
-    predictions its predecessor started under the same setting name."""
+    predictions its predecessor started under the same setting name. A setting with a fractional budget records
+    the parameters it gives a 100,000-token prompt (long enough for any window it sets): predictions of a preset
+    changed since are not resumed."""
     model = experiment.model
+    resolved = setting.parameters_for(100_000)
     versions = {}
     for package in ("kvcompress", "transformers", "torch"):
         try:
@@ -350,6 +364,7 @@ def pipeline_record(experiment: Experiment, setting: CompressionSetting, compute
             **experiment.benchmark.pipeline(experiment.options),
             "compression": setting.describe(),
             **({} if scorer_weights is None else {"scorer_weights": scorer_weights}),
+            **({} if resolved is None else {"parameters_at_100k_tokens": resolved}),
         },
         "versions": versions,
     }

@@ -301,7 +301,7 @@ class KVCacheCompressionParameters:
         """
         if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
             raise ValueError(f"budget must be a positive integer, got {budget!r}")
-        unit = overrides.get("group_size", 32) if overrides.get("strategy") == "per_group" else 1
+        unit = window_unit(overrides)
         if start_size is None:
             start_size = min(32, budget // 8) // unit * unit
         if recent_size is None:
@@ -312,6 +312,12 @@ class KVCacheCompressionParameters:
                 f"start_size + recent_size ({start_size} + {recent_size}) exceed the budget {budget}"
             )
         return cls(start_size=start_size, recent_size=recent_size, intermediate_size=intermediate, **overrides)
+
+
+def window_unit(fields: Mapping[str, Any]) -> int:
+    """What the start and recent windows are multiples of, given the parameters' ``fields``: whole pages with
+    ``strategy='per_group'``, single slots otherwise."""
+    return fields.get("group_size", 32) if fields.get("strategy") == "per_group" else 1
 
 
 _INT_FIELDS = {

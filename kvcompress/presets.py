@@ -6,8 +6,9 @@ A method is a registered scorer (``snapkv``, ``h2o``, ``kvzip``, ``expected_atte
 scored) or ``none`` (the full cache). A budget is a number of slots per layer, or a fraction in (0, 1) of a
 prompt's tokens (``kvcompress.budget.budget_slots`` resolves it per prompt). Scored methods split the budget as
 ``KVCacheCompressionParameters.from_budget`` does (start = min(32, budget / 8), recent = min(64, budget / 4),
-the rest scored) and allocate it as the method's own reference does (``Scorer.allocation``: KVzip lets the layers
-share one budget by score); any parameter can be overridden.
+the rest scored) unless the method's reference selects otherwise (``Scorer.reference_selection``: KVzip keeps 4
+sinks and nothing else outside its scores), and allocate it as the reference does (``Scorer.allocation``: KVzip
+lets every KV head of every layer share one budget by score); any parameter can be overridden.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from .budget import check_budget
-from .parameters import HEAD_SHARED_ALLOCATIONS, KVCacheCompressionParameters
+from .parameters import HEAD_SHARED_ALLOCATIONS, KVCacheCompressionParameters, window_unit
 from .scoring.registry import SCORERS, scorer_class
 
 __all__ = ["NONE", "STREAMING_LLM", "STREAMING_LLM_SINKS", "method_names", "preset"]
@@ -56,6 +57,10 @@ def preset(method: str, budget: int, **overrides: Any) -> KVCacheCompressionPara
     overrides.pop("method", None)
     scorer = scorer_class(method)
     overrides.setdefault("budget_allocation", scorer.allocation)
+    unit = window_unit(overrides)
+    for name, value in scorer.reference_selection.items():
+        is_window = name in ("start_size", "recent_size")
+        overrides.setdefault(name, min(value, budget) // unit * unit if is_window else value)
     # per-head counts: heads of different lengths, evicted at prompts (a decode step's eviction would re-share a
     # layer's heads without the competition that set their counts)
     if overrides["budget_allocation"] in HEAD_SHARED_ALLOCATIONS:

@@ -73,6 +73,9 @@ class Scorer:
     reads_hidden_states: ClassVar[bool] = False
     scores_folded_layers: ClassVar[bool] = False
     allocation: ClassVar[str] = "uniform"
+    # selection fields the method's reference sets otherwise than ``from_budget``'s defaults (a preset applies them;
+    # ``start_size`` and ``recent_size`` are at most the budget)
+    reference_selection: ClassVar[dict[str, Any]] = {}
     options: ClassVar[dict[str, Any]] = {}
     minimums: ClassVar[dict[str, float]] = {}
 

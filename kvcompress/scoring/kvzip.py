@@ -48,6 +48,10 @@ class KVzip(Scorer):
     # needles with each allocation: results/ruler_runner_smollm2_2k_heads/). The folded cache this gives is
     # compressed again at every turn (``scores_folded_layers``).
     allocation = "global_adaptive"
+    # the reference's selection (KVzip's code and kvpress's KVzipPress): a pure top-k of every head's scores but 4
+    # sinks, no recent window, no per-head floor. Reserving slots away from the top-k costs the needles most at
+    # small budgets (RULER at 4k, 10 % kept: results/ruler_smollm2_4k/)
+    reference_selection = {"start_size": 4, "recent_size": 0, "adaptive_floor": 0.0}
     options = {"chunk_size": 2048}
     minimums = {"chunk_size": 1}
 

@@ -243,3 +243,18 @@ def test_predictions_of_retrained_kvzap_weights_are_not_resumed(tmp_path, make_r
     random_surrogate(model, seed=2).save(weights)
     assert main(["predict", str(config)]) == 2
     assert "were made with different ['scorer_weights']" in capsys.readouterr().err
+
+
+def test_predictions_of_an_earlier_preset_are_not_resumed(tmp_path, make_ruler_config, monkeypatch, capsys):
+    """A fractional budget's setting records the parameters its preset gives a 100,000-token prompt: a preset changed
+    since (here SnapKV's windows) does not continue the files the earlier one started."""
+    from kvcompress.scoring.snapkv import SnapKV
+
+    config = make_ruler_config(tmp_path, tasks=["niah_single_1"], limit=1,
+                               compression=[{"method": "snapkv", "budget": 0.5, "window_size": 4}])
+    assert main(["predict", str(config)]) == 0
+    recorded = json.loads((tmp_path / "out" / "snapkv-0.5" / "pipeline.json").read_text())["generation"]
+    assert recorded["parameters_at_100k_tokens"]["start_size"] == 32
+    monkeypatch.setattr(SnapKV, "reference_selection", {"start_size": 4})
+    assert main(["predict", str(config)]) == 2
+    assert "were made with different ['parameters_at_100k_tokens']" in capsys.readouterr().err

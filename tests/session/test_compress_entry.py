@@ -49,3 +49,17 @@ def test_streaming_llm_keeps_sinks_and_recent_and_bad_budgets_name_the_parameter
             compress(model, budget=budget)
     with pytest.raises(ValueError, match="method must be one of"):
         compress(model, method="pyramid", budget=32)
+
+
+def test_kvzip_preset_selects_as_its_reference_and_overrides_win():
+    """KVzip's reference (its code, kvpress's KVzipPress) keeps 4 sinks and otherwise a pure top-k of every KV head
+    of every layer: no recent window, no per-head floor."""
+    params = preset("kvzip", 400)
+    assert (params.start_size, params.intermediate_size, params.recent_size) == (4, 396, 0)
+    assert (params.budget_allocation, params.adaptive_floor) == ("global_adaptive", 0.0)
+    assert preset("kvzip", 3).start_size == 3  # windows are at most the budget
+    assert preset("kvzip", 512, strategy="per_group").start_size == 0  # and whole pages
+    overridden = preset("kvzip", 400, start_size=32, recent_size=64, adaptive_floor=0.2)
+    assert (overridden.start_size, overridden.recent_size, overridden.adaptive_floor) == (32, 64, 0.2)
+    other = preset("snapkv", 400)
+    assert (other.start_size, other.recent_size, other.adaptive_floor) == (32, 64, 0.2)  # from_budget's defaults
