@@ -96,15 +96,17 @@ class CompressionSetting:
         return preset(self.method, budget_slots(self.budget, prompt_tokens), **self.overrides).to_dict()
 
     def scorer_weights(self, model: Any) -> str | None:
-        """The checksum of the learned weights this setting scores with on ``model`` (KVzap), None for a scorer
-        without learned weights: the setting names a file (or the shipped one) that can be trained again."""
-        from kvcompress import surrogate
+        """The checksum of the learned weights this setting scores with on ``model`` (KVzap's), None for the full
+        cache and the methods that learn nothing: the setting names a file (or the shipped one) that can be trained
+        again."""
+        from kvcompress.scoring.registry import SCORERS
 
-        method = self.method if self.parameters is None else self.parameters.method
-        if method != "kvzap":
+        if self.is_full_cache:
             return None
+        method = self.method if self.parameters is None else self.parameters.method
         options = self.overrides.get("scorer_options") if self.parameters is None else self.parameters.scorer_options
-        return surrogate.for_model(model, (options or {}).get("weights", "")).checksum
+        scorer = SCORERS.get(method)  # streaming_llm scores nothing
+        return None if scorer is None else scorer.weights_checksum(model, options or {})
 
     def describe(self) -> dict[str, Any]:
         described = {

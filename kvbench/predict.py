@@ -118,8 +118,7 @@ def _check_pipeline(experiment: Experiment, setting: CompressionSetting, dtype: 
     """Records the pipeline on first use; refuses to resume predictions that a different pipeline started (a key
     an earlier version did not record is not compared)."""
     path = OutputLayout(experiment.output_dir, experiment.benchmark).pipeline_file(setting.name)
-    weights = None if setting.is_full_cache else setting.scorer_weights(model)
-    record = pipeline_record(experiment, setting, dtype, weights)
+    record = pipeline_record(experiment, setting, dtype, setting.scorer_weights(model))
     if path.exists():
         previous = json.loads(path.read_text(encoding="utf-8"))["generation"]
         changed = sorted(key for key, value in record["generation"].items()

@@ -30,6 +30,7 @@ Its class attributes declare the rest, so the session never compares method name
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -82,6 +83,12 @@ class Scorer:
     def __init__(self, parameters: "KVCacheCompressionParameters"):
         self.parameters = parameters
         self.settings = {**self.options, **dict(parameters.scorer_options)}
+
+    @classmethod
+    def weights_checksum(cls, model: nn.Module, scorer_options: Mapping[str, Any]) -> str | None:
+        """The checksum of the learned weights this method would score ``model`` with under ``scorer_options``,
+        None for a method that learns nothing: what tells results of retrained weights from their predecessors'."""
+        return None
 
     @classmethod
     def check_options(cls, given: dict[str, Any]) -> None:

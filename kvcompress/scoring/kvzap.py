@@ -29,6 +29,10 @@ class KVzap(Scorer):
     allocation = "global"
     options = {"weights": ""}
 
+    @classmethod
+    def weights_checksum(cls, model, scorer_options) -> str:
+        return surrogate.for_model(model, {**cls.options, **scorer_options}["weights"]).checksum
+
     def bind(self, model, tokenizer) -> None:
         self.surrogate = surrogate.for_model(model, self.settings["weights"])
 
