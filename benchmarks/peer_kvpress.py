@@ -13,9 +13,10 @@ Runs under a separate virtualenv, never the project's (kvpress 0.5.5 pins transf
 Model: the project's converted SmolLM2-135M-Instruct folder (``kvcompress.models.converted_model_dir()``, a plain
 ``save_pretrained`` folder written by transformers 5.24). transformers 5.2.0 loads it as it is -- config
 (``rope_parameters``), tokenizer (``TokenizersBackend``) and chat template -- with no workaround; its logits on a
-test prompt are bit-identical to 5.24's (max |diff| = 0.0). ``--model`` overrides the folder. The folder is found
-without importing kvcompress (which needs the project's venv): ``$KVCOMPRESS_CACHE`` or
-``$XDG_CACHE_HOME/kvcompress`` or ``~/.cache/kvcompress``, then the newest ``smollm2-135m-instruct-q4_1-*``.
+test prompt are bit-identical to 5.24's (max |diff| = 0.0). The folder is found without importing kvcompress (which
+needs the project's venv): ``$KVCOMPRESS_CACHE`` or ``$XDG_CACHE_HOME/kvcompress`` or ``~/.cache/kvcompress``, then
+the newest ``smollm2-135m-instruct-q4_1-*``. ``--model`` names another: Gemma 3 270M's converted folder
+(``gemma3-270m-q4_k_m-*``) with ``--raw-prompt`` reads the records as ``configs/ruler/gemma3-270m-4k.yaml`` does.
 
 Each sample's ``input`` (the full RULER prompt, ending with the answer prefix) is split into context / question /
 answer prefix exactly as kvpress's ``evaluation/benchmarks/ruler/create_huggingface_dataset.py`` does (question at
@@ -33,6 +34,16 @@ Protocols, both through kvpress's own ``KVPressTextGenerationPipeline`` (``pipel
 
 The token stream is the same in both (user turn = context + question, then the prefix opens the assistant turn),
 which is also the layout our benchmark uses.
+
+``--raw-prompt`` (a base model, the runner's ``chat_template: false``): the pipeline is handed the runner's own
+token ids (``ruler.chat.encode_prompt`` without a template: RULER's input, the context with the tokenizer's special
+tokens, question and answer prefix after it) instead of kvpress's template-less layout (``bos_token`` + context,
+``\n`` between question and answer prefix), so both libraries read the same ids; ``context_first`` only.
+
+Gemma 3: kvpress compresses only the global-attention layers of ``Gemma3ForConditionalGeneration`` and leaves the
+sliding-window ones as they are; the text-only ``Gemma3ForCausalLM`` (Gemma 3 270M) is given the same rule here,
+which is also ours, and a cache built from the model's config, so that sliding layers hold their window (the KV
+bytes are the tensors' own, the full-size reference counts the sliding layers as held).
 
 Output: one JSONL line per finished (source, index, method, kept, protocol) in ``<out>/peer_kvpress_runs.jsonl``,
 flushed and fsynced per line; a rerun skips finished keys and drops a trailing partial line (kill -9 safe).
@@ -129,6 +140,7 @@ def make_press(method: str, kept: float):
 # ----------------------------------------------------------------------------------------------------------------
 
 sys.path.insert(0, str(REPO))
+from ruler.chat import encode_prompt  # noqa: E402
 from ruler.metrics import postprocess_prediction, score_task, string_match_all_per_sample  # noqa: E402
 from ruler.prompts import max_new_tokens as ruler_max_new_tokens  # noqa: E402
 from ruler.prompts import split_input  # noqa: E402
@@ -231,14 +243,26 @@ def default_model_dir() -> Path:
     return Path(found[-1])
 
 
+def skip_sliding_layers_of_gemma3(model) -> None:
+    """kvpress's rule for ``Gemma3ForConditionalGeneration`` (compress the global layers only) for the text-only
+    ``Gemma3ForCausalLM`` too: ``BasePress.__call__`` tests ``isinstance(model, Gemma3ForConditionalGeneration)``
+    by the module's name, which is given both classes."""
+    from kvpress.presses import base_press
+    from transformers import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+
+    if isinstance(model, Gemma3ForCausalLM):
+        base_press.Gemma3ForConditionalGeneration = (Gemma3ForConditionalGeneration, Gemma3ForCausalLM)
+
+
 class Runner:
     """One pipeline per attention implementation (sdpa always; eager only when a method needs it)."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, raw_prompt: bool = False):
         import kvpress  # noqa: F401  (registers "kv-press-text-generation" and patches attention functions)
         from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
         self.model_dir = model_dir
+        self.raw_prompt = raw_prompt
         self._auto_model = AutoModelForCausalLM
         self._pipeline = pipeline
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -249,13 +273,26 @@ class Runner:
             t = time.time()
             model = self._auto_model.from_pretrained(self.model_dir, dtype=torch.float32, attn_implementation=attn)
             model.eval()
+            skip_sliding_layers_of_gemma3(model)
             self.pipes[attn] = self._pipeline(
                 "kv-press-text-generation", model=model, tokenizer=self.tokenizer, device="cpu"
             )
             print(f"[load] {attn} model in {time.time() - t:.1f}s", flush=True)
         return self.pipes[attn]
 
-    def run(self, method: str, press, context: str, question: str, prefix: str, max_new_tokens: int) -> dict:
+    def tensors(self, pipe, parts, protocol: str) -> dict:
+        """The pipeline's inputs: kvpress's own preprocessing, or with ``raw_prompt`` the runner's token ids."""
+        if self.raw_prompt:
+            encoded = encode_prompt(self.tokenizer, parts, protocol, chat_template=False)
+            ids = torch.tensor([encoded.input_ids])
+            return {"context_ids": ids[:, : encoded.prefill_length], "questions_ids": [ids[:, encoded.prefill_length:]]}
+        context, question = parts.context, parts.question
+        if protocol == "query_aware":
+            context, question = context + question, ""
+        return pipe.preprocess(context, questions=[question], answer_prefix=parts.answer_prefix,
+                               max_context_length=int(1e10), enable_thinking=False)
+
+    def run(self, method: str, press, parts, protocol: str, max_new_tokens: int) -> dict:
         from transformers import DynamicCache
 
         attn = "eager" if method in EAGER_METHODS else "sdpa"
@@ -263,33 +300,35 @@ class Runner:
         model = pipe.model
         for layer in model.model.layers:  # AdaKV-style masks (KVzip) live on the modules; start clean
             layer.self_attn.masked_key_indices = None
-        tensors = pipe.preprocess(
-            context, questions=[question], answer_prefix=prefix, max_context_length=int(1e10), enable_thinking=False
-        )
+        tensors = self.tensors(pipe, parts, protocol)
         n_ctx = int(tensors["context_ids"].shape[1])
         n_q = int(tensors["questions_ids"][0].shape[1])
-        cache = DynamicCache()
+        cache = DynamicCache(config=model.config)
         t = time.time()
-        with torch.inference_mode():
-            out = pipe(context, question=question, answer_prefix=prefix, press=press,
-                       max_new_tokens=max_new_tokens, cache=cache)
+        pipe.preprocess = lambda *args, **kwargs: tensors  # the pipeline reads exactly these ids
+        try:
+            with torch.inference_mode():
+                out = pipe("", question="", answer_prefix="", press=press, max_new_tokens=max_new_tokens, cache=cache)
+        finally:
+            del pipe.preprocess
         seconds = time.time() - t
         # The pipeline trims the answer (and question) off the cache afterwards, so this is the compressed context.
         kv_bytes = 0
         eff_bytes = 0
+        full_bytes = 0
         positions, masked = [], 0
         for i, layer in enumerate(cache.layers):
             k, v = layer.keys, layer.values
             nbytes = k.numel() * k.element_size() + v.numel() * v.element_size()
             kv_bytes += nbytes
+            # a sliding layer is never compressed (its window is what the full cache holds too)
+            full_bytes += nbytes if layer.is_sliding else 2 * k.shape[0] * k.shape[1] * n_ctx * k.shape[3] * 4
             positions.append(int(k.shape[2]))
             mki = getattr(model.model.layers[i].self_attn, "masked_key_indices", None)
             n_masked = int(mki[0].numel()) if mki is not None else 0
             masked += n_masked
             per_entry = nbytes / max(1, k.shape[0] * k.shape[1] * k.shape[2])
             eff_bytes += nbytes - n_masked * per_entry
-        n_layers, kv_heads, head_dim = len(cache.layers), model.config.num_key_value_heads, model.config.head_dim
-        full_bytes = 2 * n_layers * kv_heads * n_ctx * head_dim * 4  # float32 full context cache
         return {
             "prediction": out["answer"],
             "seconds": round(seconds, 3),
@@ -422,7 +461,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "results" / "peer_kvpress")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite the summary from the results file")
     ap.add_argument("--title", default="kvpress 0.5.5", help="the runs' name in <out>/<protocol>/scores.json")
+    ap.add_argument("--raw-prompt", action="store_true",
+                    help="the runner's token ids without a chat template (a base model); context_first only")
     args = ap.parse_args(argv)
+    if args.raw_prompt and args.protocols != ["context_first"]:
+        ap.error("--raw-prompt takes --protocols context_first only (the runner's query-aware ids have no question "
+                 "left to feed after the prefill)")
 
     logging.getLogger("kvpress").setLevel(logging.ERROR)
     import transformers
@@ -435,12 +479,14 @@ def main(argv=None) -> int:
     done = read_results(results_path, repair=not args.summary_only)
     finished = {run_key(r) for r in done}
 
+    model_name = args.model.name if args.model else "SmolLM2-135M-Instruct"
+
     def write_summary():
         recs = read_results(results_path)
         table = summarize(recs)
         vers = versions()
         text = (
-            "# kvpress 0.5.5 peer run (SmolLM2-135M-Instruct, float32, CPU)\n\n"
+            f"# kvpress 0.5.5 peer run ({model_name}, float32, CPU)\n\n"
             f"versions: {json.dumps(vers)}\n\n"
             f"results: `{results_path.name}` ({len(recs)} lines). `passed` = RULER string_match_all == 1 "
             "(every reference in the cleaned, lower-cased prediction). 'base-correct' = samples the full cache "
@@ -485,20 +531,17 @@ def main(argv=None) -> int:
         print(write_summary())
         return 0
 
-    runner = Runner(model_dir)
+    runner = Runner(model_dir, raw_prompt=args.raw_prompt)
     vers = versions()
     presses: dict[tuple, object] = {}
     t0 = time.time()
     for i, (method, kept, protocol, s) in enumerate(todo):
         parts = split_input(s["task"], s["input"])
-        context, question, prefix = parts.context, parts.question, parts.answer_prefix
-        if protocol == "query_aware":
-            context, question = context + question, ""
         mnt = args.max_new_tokens or ruler_max_new_tokens(s["task"])
         if (method, kept) not in presses:
             presses[(method, kept)] = make_press(method, kept)
         press = presses[(method, kept)]
-        res = runner.run(method, press, context, question, prefix, mnt)
+        res = runner.run(method, press, parts, protocol, mnt)
         score = string_match_all(res["prediction"], s["outputs"])
         rec = {
             "source": s["source"], "task": s["task"], "index": int(s["index"]), "method": method,
