@@ -38,7 +38,9 @@ which is also the layout our benchmark uses.
 ``--raw-prompt`` (a base model, the runner's ``chat_template: false``): the pipeline is handed the runner's own
 token ids (``ruler.chat.encode_prompt`` without a template: RULER's input, the context with the tokenizer's special
 tokens, question and answer prefix after it) instead of kvpress's template-less layout (``bos_token`` + context,
-``\n`` between question and answer prefix), so both libraries read the same ids; ``context_first`` only.
+``\n`` between question and answer prefix), so both libraries read the same ids. ``query_aware`` compresses them up to
+the answer prefix, which kvpress's pipeline feeds after the prefill as its definition above does (it needs tokens to
+feed; our runner compresses the prefix too: a few tokens' difference, the same as with a chat template).
 
 Gemma 3: kvpress compresses only the global-attention layers of ``Gemma3ForConditionalGeneration`` and leaves the
 sliding-window ones as they are; the text-only ``Gemma3ForCausalLM`` (Gemma 3 270M) is given the same rule here,
@@ -254,6 +256,20 @@ def skip_sliding_layers_of_gemma3(model) -> None:
         base_press.Gemma3ForConditionalGeneration = (Gemma3ForConditionalGeneration, Gemma3ForCausalLM)
 
 
+def answer_prefix_length(tokenizer, input_ids: list[int], parts) -> int:
+    """How many of the prompt's last ids spell the answer prefix. Counted on the prompt's own ids (the prefix alone
+    tokenises otherwise: RULER's question ends in a space that joins the prefix's first word); an error where no
+    suffix of whole tokens spells it, as then no cut keeps the two libraries on the same ids."""
+    wanted = parts.answer_prefix.strip()
+    for count in range(1, len(input_ids)):
+        text = tokenizer.decode(input_ids[-count:]).strip()
+        if text == wanted:
+            return count
+        if len(text) > len(wanted):
+            break
+    raise ValueError(f"no suffix of the prompt's ids spells the answer prefix {wanted!r}: no query-aware cut")
+
+
 class Runner:
     """One pipeline per attention implementation (sdpa always; eager only when a method needs it)."""
 
@@ -284,8 +300,11 @@ class Runner:
         """The pipeline's inputs: kvpress's own preprocessing, or with ``raw_prompt`` the runner's token ids."""
         if self.raw_prompt:
             encoded = encode_prompt(self.tokenizer, parts, protocol, chat_template=False)
+            split = encoded.prefill_length
+            if protocol == "query_aware":
+                split = len(encoded.input_ids) - answer_prefix_length(self.tokenizer, encoded.input_ids, parts)
             ids = torch.tensor([encoded.input_ids])
-            return {"context_ids": ids[:, : encoded.prefill_length], "questions_ids": [ids[:, encoded.prefill_length:]]}
+            return {"context_ids": ids[:, :split], "questions_ids": [ids[:, split:]]}
         context, question = parts.context, parts.question
         if protocol == "query_aware":
             context, question = context + question, ""
@@ -462,11 +481,8 @@ def main(argv=None) -> int:
     ap.add_argument("--summary-only", action="store_true", help="only rewrite the summary from the results file")
     ap.add_argument("--title", default="kvpress 0.5.5", help="the runs' name in <out>/<protocol>/scores.json")
     ap.add_argument("--raw-prompt", action="store_true",
-                    help="the runner's token ids without a chat template (a base model); context_first only")
+                    help="the runner's token ids without a chat template (a base model)")
     args = ap.parse_args(argv)
-    if args.raw_prompt and args.protocols != ["context_first"]:
-        ap.error("--raw-prompt takes --protocols context_first only (the runner's query-aware ids have no question "
-                 "left to feed after the prefill)")
 
     logging.getLogger("kvpress").setLevel(logging.ERROR)
     import transformers
