@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import build_model, write_results  # noqa: E402
 from kvcompress import KVCacheCompressor  # noqa: E402
 from kvcompress.budget import budget_slots  # noqa: E402
+from kvcompress.parameters import BUDGET_ALLOCATIONS  # noqa: E402
 from kvcompress.presets import preset  # noqa: E402
 
 
@@ -65,11 +66,12 @@ def measure(args) -> dict:
     model, tokenizer, (low, high), described = build_model(args.model, "cpu", getattr(torch, args.dtype))
     prompt = torch.randint(low, high, (1, args.length), generator=torch.Generator().manual_seed(0))
     budget = budget_slots(args.budget if args.budget < 1 else int(args.budget), args.length)
+    allocation = {} if args.budget_allocation is None else {"budget_allocation": args.budget_allocation}
     decoders = {
         "same-size": Decoder(copy.deepcopy(model), tokenizer, prompt[:, :budget]),
         "session, no eviction": Decoder(copy.deepcopy(model), tokenizer, prompt,
-                                        preset(args.method, budget, compress_during_decoding=False)),
-        "continuous": Decoder(model, tokenizer, prompt, preset(args.method, budget)),
+                                        preset(args.method, budget, compress_during_decoding=False, **allocation)),
+        "continuous": Decoder(model, tokenizer, prompt, preset(args.method, budget, **allocation)),
     }
     rounds = {name: [] for name in decoders}
     profile = None
@@ -97,7 +99,8 @@ def measure(args) -> dict:
             decoder.close()
     return {"ms_per_step": {name: 1e3 * statistics.median(values) for name, values in rounds.items()},
             "rounds_ms": {name: [1e3 * v for v in values] for name, values in rounds.items()},
-            "budget": budget, "model": described, "threads": args.threads, "dtype": args.dtype,
+            "budget": budget, "budget_allocation": decoders["continuous"].session.parameters.budget_allocation,
+            "model": described, "threads": args.threads, "dtype": args.dtype,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"), "profile": profile}
 
 
@@ -109,7 +112,8 @@ def markdown(result: dict, argv: list[str]) -> str:
         "",
         f"Command: `python benchmarks/decode_overhead.py {' '.join(argv)}`",
         "",
-        f"{result['model']}, {result['dtype']}, {result['threads']} thread(s), budget {result['budget']} slots, "
+        f"{result['model']}, {result['dtype']}, {result['threads']} thread(s), budget {result['budget']} slots "
+        f"({result['budget_allocation']}), "
         f"torch {result['torch']}, {result['date']}; median ms per step of the rounds.",
         "",
         "| same-size cache | session, no eviction | continuous eviction | (b) = same-size / continuous | "
@@ -127,6 +131,8 @@ def main(argv=None) -> None:
     parser.add_argument("--method", default="snapkv")
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--budget-allocation", default=None, choices=BUDGET_ALLOCATIONS,
+                        help="the budget's allocation (default: the method's preset)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
