@@ -73,6 +73,9 @@ class RulerOptions:
     units: Mapping[str, tuple[str, int]]  # "<task>_<length>" -> (task, length), in report order
     protocol: str
     data: DataGeneration | Path
+    # the records as the pipeline record names them: a folder as the config wrote it (relative to the config), so
+    # that a run resumes from another checkout of the same files
+    data_source: str
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -146,17 +149,18 @@ class Ruler(Benchmark):
     def parse_options(self, config: Mapping[str, Any], base_dir: Path, model_path: str) -> RulerOptions:
         tasks, lengths = _parse_tasks(config["tasks"]), _parse_lengths(config["lengths"])
         units = {f"{task}_{length}": (task, length) for length in lengths for task in tasks}
+        given = config.get("data", {"generate": {}})
+        data = _parse_data(given, base_dir, model_path)
         return RulerOptions(
             units=units,
             protocol=check_string(config.get("protocol", "context_first"), "protocol", PROTOCOLS),
-            data=_parse_data(config.get("data", {"generate": {}}), base_dir, model_path),
+            data=data,
+            data_source=f"folder:{given['folder']}" if isinstance(data, Path) else (
+                f"generated:{data.tokenizer} seed {data.seed}, {data.samples} samples"),
         )
 
     def pipeline(self, options: RulerOptions) -> dict[str, Any]:
-        data = options.data
-        source = f"folder:{data}" if isinstance(data, Path) else (
-            f"generated:{data.tokenizer} seed {data.seed}, {data.samples} samples")
-        return {"protocol": options.protocol, "data": source}
+        return {"protocol": options.protocol, "data": options.data_source}
 
     def load_records(self, options: RulerOptions, task: str, output_dir: Path) -> list[dict[str, Any]]:
         name, length = options.units[task]

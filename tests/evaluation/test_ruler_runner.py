@@ -198,6 +198,20 @@ def test_predictions_made_in_another_dtype_are_not_resumed(tmp_path, make_ruler_
     assert main(["predict", str(config)]) == 0
 
 
+def test_a_moved_checkout_resumes_its_predictions(tmp_path, make_ruler_config, ruler_data):
+    """A data folder is recorded as the config writes it (relative to the config), not where this checkout lies."""
+    import shutil
+
+    shutil.copytree(ruler_data, tmp_path / "first" / "records")
+    config = make_ruler_config(tmp_path / "first", tasks=["niah_single_1"], compression=["none"], limit=1,
+                               data={"folder": "records"})
+    assert main(["predict", str(config)]) == 0
+    record = json.loads((tmp_path / "first" / "out" / "full" / "pipeline.json").read_text())
+    assert record["generation"]["data"] == "folder:records"
+    (tmp_path / "first").rename(tmp_path / "moved")
+    assert main(["predict", str(tmp_path / "moved" / "ruler.yaml")]) == 0
+
+
 def test_config_errors_name_the_key(tmp_path, make_ruler_config, capsys):
     assert main(["evaluate", str(make_ruler_config(tmp_path, protocol="question_first"))]) == 2
     assert "protocol: must be one of ['query_aware', 'context_first']" in capsys.readouterr().err
