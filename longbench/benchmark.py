@@ -48,14 +48,14 @@ def _parse_tasks(value: Any) -> tuple[str, ...]:
 def _parse_data(value: Any, base_dir: Path) -> DataSource:
     kind, location = check_one_of(value, "data", ("folder", "zip", "hub"))
     if kind == "folder":
-        return DataSource("folder", str(check_folder(location, "data.folder", base_dir)))
+        return DataSource("folder", str(check_folder(location, "data.folder", base_dir)), written=location)
     location = check_string(location, f"data.{kind}")
     if kind == "hub":
         return DataSource("hub", location)
     path = (base_dir / location).resolve()
     if not path.is_file():
         raise ConfigError(f"data.zip: {path} is not a file")
-    return DataSource("zip", str(path))
+    return DataSource("zip", str(path), written=location)
 
 
 class LongBench(Benchmark):

@@ -39,9 +39,12 @@ class DataSource:
 
     kind: Literal["folder", "zip", "hub"]
     location: str
+    # how the config names it (a path relative to the config): what the pipeline record holds, so that a run
+    # resumes from another checkout of the same files
+    written: str | None = None
 
     def describe(self) -> str:
-        return f"{self.kind}:{self.location}"
+        return f"{self.kind}:{self.written or self.location}"
 
 
 def _is_int(value: Any) -> bool:

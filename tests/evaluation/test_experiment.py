@@ -157,3 +157,17 @@ def test_shipped_configs_parse(path):
     assert experiment.benchmark.name == raw.get("benchmark", "longbench") == path.parent.name
     if experiment.benchmark.name == "longbench":
         assert raw["max_length"] == experiment.options.max_length
+
+
+@pytest.mark.parametrize("benchmark", ["longbench", "ruler"])
+def test_a_data_folder_is_recorded_as_the_config_writes_it(tmp_path, make_config, benchmark):
+    """The pipeline record names the records by the config's own path, not this checkout's, so that a run resumes
+    from another checkout (or a moved one) of the same files."""
+    extra = {"benchmark": "ruler", "tasks": ["niah_single_1"], "lengths": [512], "max_length": None}
+    recorded = set()
+    for checkout in ("first", "moved"):
+        (tmp_path / checkout / "records").mkdir(parents=True)
+        experiment = _parse(tmp_path / checkout, make_config, data={"folder": "records"},
+                            **(extra if benchmark == "ruler" else {}))
+        recorded.add(experiment.benchmark.pipeline(experiment.options)["data"])
+    assert recorded == {"folder:records"}
