@@ -73,8 +73,8 @@ class RulerOptions:
     units: Mapping[str, tuple[str, int]]  # "<task>_<length>" -> (task, length), in report order
     protocol: str
     data: DataGeneration | Path
-    # the records as the pipeline record names them: a folder as the config wrote it (relative to the config), so
-    # that a run resumes from another checkout of the same files
+    # the records as the pipeline record names them: a folder (or a generator's tokenizer folder) as the config wrote
+    # it, relative to the config, so that a run resumes from another checkout of the same files
     data_source: str
 
     @property
@@ -156,7 +156,8 @@ class Ruler(Benchmark):
             protocol=check_string(config.get("protocol", "context_first"), "protocol", PROTOCOLS),
             data=data,
             data_source=f"folder:{given['folder']}" if isinstance(data, Path) else (
-                f"generated:{data.tokenizer} seed {data.seed}, {data.samples} samples"),
+                f"generated:{(given['generate'] or {}).get('tokenizer', model_path)} seed {data.seed}, "
+                f"{data.samples} samples"),
         )
 
     def pipeline(self, options: RulerOptions) -> dict[str, Any]:

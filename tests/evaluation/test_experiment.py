@@ -171,3 +171,13 @@ def test_a_data_folder_is_recorded_as_the_config_writes_it(tmp_path, make_config
                             **(extra if benchmark == "ruler" else {}))
         recorded.add(experiment.benchmark.pipeline(experiment.options)["data"])
     assert recorded == {"folder:records"}
+
+
+def test_a_generators_tokenizer_folder_is_recorded_as_the_config_writes_it(tmp_path, make_config):
+    recorded = set()
+    for checkout in ("first", "moved"):
+        (tmp_path / checkout / "tokenizer").mkdir(parents=True)
+        experiment = _parse(tmp_path / checkout, make_config, benchmark="ruler", tasks=["niah_single_1"],
+                            lengths=[512], max_length=None, data={"generate": {"tokenizer": "tokenizer", "samples": 2}})
+        recorded.add(experiment.benchmark.pipeline(experiment.options)["data"])
+    assert recorded == {"generated:tokenizer seed 42, 2 samples"}
