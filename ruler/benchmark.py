@@ -73,9 +73,7 @@ class RulerOptions:
     units: Mapping[str, tuple[str, int]]  # "<task>_<length>" -> (task, length), in report order
     protocol: str
     data: DataGeneration | Path
-    # the records as the pipeline record names them: a folder (or a generator's tokenizer folder) as the config wrote
-    # it, relative to the config, so that a run resumes from another checkout of the same files
-    data_source: str
+    data_source: str  # the records' name in the pipeline record (``_parse_data``)
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -111,23 +109,25 @@ def _parse_lengths(value: Any) -> list[int]:
     return [check_integer(length, f"lengths[{index}]", 64) for index, length in enumerate(value)]
 
 
-def _parse_data(value: Any, base_dir: Path, model_path: str) -> DataGeneration | Path:
+def _parse_data(value: Any, base_dir: Path, model_path: str) -> tuple[DataGeneration | Path, str]:
+    """The records' folder or how to generate them, and their name in the pipeline record (paths as the config
+    writes them, so that a run resumes from another checkout of the same files)."""
     kind, given = check_one_of(value, "data", ("generate", "folder"))
     if kind == "folder":
-        return check_folder(given, "data.folder", base_dir)
+        return check_folder(given, "data.folder", base_dir), f"folder:{given}"
     options = check_mapping(given or {}, "data.generate")
     no_unknown_keys(options, {field.name for field in dataclasses.fields(DataGeneration)}, "data.generate")
-    tokenizer = check_string(options.get("tokenizer", model_path), "data.generate.tokenizer")
-    if (base_dir / tokenizer).is_dir():
-        tokenizer = str((base_dir / tokenizer).resolve())
+    written = check_string(options.get("tokenizer", model_path), "data.generate.tokenizer")
+    tokenizer = str((base_dir / written).resolve()) if (base_dir / written).is_dir() else written
     cache_dir = options.get("cache_dir")
-    return DataGeneration(
+    data = DataGeneration(
         tokenizer=tokenizer,
         samples=check_integer(options.get("samples", 500), "data.generate.samples", 1),
         seed=check_integer(options.get("seed", PREPARE_SEED), "data.generate.seed", 0),
         cache_dir=None if cache_dir is None else str((base_dir / check_string(cache_dir, "data.generate.cache_dir"))),
         timeout=float(check_integer(options.get("timeout", 600), "data.generate.timeout", 1)),
     )
+    return data, f"generated:{written} seed {data.seed}, {data.samples} samples"
 
 
 class Ruler(Benchmark):
@@ -149,15 +149,12 @@ class Ruler(Benchmark):
     def parse_options(self, config: Mapping[str, Any], base_dir: Path, model_path: str) -> RulerOptions:
         tasks, lengths = _parse_tasks(config["tasks"]), _parse_lengths(config["lengths"])
         units = {f"{task}_{length}": (task, length) for length in lengths for task in tasks}
-        given = config.get("data", {"generate": {}})
-        data = _parse_data(given, base_dir, model_path)
+        data, data_source = _parse_data(config.get("data", {"generate": {}}), base_dir, model_path)
         return RulerOptions(
             units=units,
             protocol=check_string(config.get("protocol", "context_first"), "protocol", PROTOCOLS),
             data=data,
-            data_source=f"folder:{given['folder']}" if isinstance(data, Path) else (
-                f"generated:{(given['generate'] or {}).get('tokenizer', model_path)} seed {data.seed}, "
-                f"{data.samples} samples"),
+            data_source=data_source,
         )
 
     def pipeline(self, options: RulerOptions) -> dict[str, Any]:

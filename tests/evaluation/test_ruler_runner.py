@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -200,8 +201,6 @@ def test_predictions_made_in_another_dtype_are_not_resumed(tmp_path, make_ruler_
 
 def test_a_moved_checkout_resumes_its_predictions(tmp_path, make_ruler_config, ruler_data):
     """A data folder is recorded as the config writes it (relative to the config), not where this checkout lies."""
-    import shutil
-
     shutil.copytree(ruler_data, tmp_path / "first" / "records")
     config = make_ruler_config(tmp_path / "first", tasks=["niah_single_1"], compression=["none"], limit=1,
                                data={"folder": "records"})
