@@ -161,7 +161,7 @@ class KVCacheCompressionParameters:
             raise ValueError(f"window_size must be >= 1, got {self.window_size}")
         if self.snapkv_kernel_size < 1 or self.snapkv_kernel_size % 2 == 0:
             raise ValueError(
-                f"snapkv_kernel_size must be a positive odd integer (a centred max-pool), got {self.snapkv_kernel_size}"
+                f"snapkv_kernel_size must be a positive odd integer (a centred pool), got {self.snapkv_kernel_size}"
             )
         if self.refined_algorithm is not None and self.refined_algorithm not in REFINED_ALGORITHMS:
             raise ValueError(

@@ -54,6 +54,9 @@ MAX_CHUNK_ELEMENTS = 1 << 25
 LOG2_E = 1.4426950408889634
 PREFIX_ROWS = 512  # query rows per product in prefix_max_attention (fewer when the prefix is long)
 TRITON_ON_CPU = False  # run the accelerator path on CPU tensors too (tests, under TRITON_INTERPRET=1)
+# SnapKV's pools: its reference code offers both (the paper's LongBench runs max-pool, kvpress averages); the
+# average counts the zero padding at the ends, as torch's default and both references do
+POOLS = {"max": torch.nn.functional.max_pool1d, "avg": torch.nn.functional.avg_pool1d}
 
 
 def chunk_elements(batch: int, length: int, hidden_size: int) -> int:
@@ -68,7 +71,7 @@ def observed_attention(
     observed: torch.Tensor,
     scaling: float,
     softcap: float | None = None,
-    pool_kernel: int | None = None,
+    pooling: tuple[str, int] | None = None,
     values: torch.Tensor | None = None,
     all_live: bool | None = None,
     reduce: str = "sum",
@@ -82,16 +85,17 @@ def observed_attention(
     after its update (the last q slots are this forward's tokens), ``slot_valid`` (B, T) marks live slots and
     ``observed`` (B, q) the queries whose attention counts (real tokens inside the method's window). A query at
     forward index i sees slots up to T - q + i, exactly as the model's causal mask allows; an unobserved query
-    (padding) sees every slot, so its output stays finite. ``pool_kernel`` applies SnapKV's centred max-pool
-    along the slots, per query head, before the head sum. The output is laid out as transformers' attention
-    functions return it: (B, q, H, d). ``all_live`` (every slot live, hence every token real), when the caller
-    knows it, spares the per-layer checks. ``first_row``: no query before it is observed (a bound the caller
-    knows, such as SnapKV's window), so that a pass without output starts there.
+    (padding) sees every slot, so its output stays finite. ``pooling`` (``"max"`` or ``"avg"``, kernel)
+    smooths SnapKV's scores along the slots with a centred pool, per query head, before the head sum. The output
+    is laid out as transformers' attention functions return it: (B, q, H, d). ``all_live`` (every slot live,
+    hence every token real), when the caller knows it, spares the per-layer checks. ``first_row``: no query
+    before it is observed (a bound the caller knows, such as SnapKV's window), so that a pass without output
+    starts there.
     """
     batch, heads, length, head_dim = queries.shape
     total, kv_heads = keys.shape[-2], keys.shape[1]
     groups = heads // kv_heads
-    per_head = pool_kernel is not None and pool_kernel > 1
+    per_head = pooling is not None and pooling[1] > 1
     if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
     maximum = reduce == "max"
@@ -173,7 +177,8 @@ def observed_attention(
         start = stop
     if per_head:
         flat = summed.flatten(0, 2).unsqueeze(1)
-        pooled = torch.nn.functional.max_pool1d(flat, pool_kernel, stride=1, padding=pool_kernel // 2)
+        mode, kernel = pooling
+        pooled = POOLS[mode](flat, kernel, stride=1, padding=kernel // 2)
         summed = pooled.view_as(summed)
     if output is not None:
         output = output.view(batch, length, heads, head_dim)

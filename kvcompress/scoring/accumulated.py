@@ -1,7 +1,7 @@
 """Accumulated attention (H2O, SnapKV): the attention each slot receives, summed over the observed queries.
 
 The shared part of the two methods, which differ only in which queries they observe and whether a prompt's
-window is max-pooled. Scores add up over forwards (``combine = "add"``); at eviction ``score_aggregation``
+window is pooled. Scores add up over forwards (``combine = "add"``); at eviction ``score_aggregation``
 turns them into the ranking score: ``sum`` ranks by total attention received, which favours old tokens that
 had more steps to collect it (H2O); ``norm_sum`` divides by the number of queries that observed each slot.
 """
@@ -18,17 +18,17 @@ from .base import AttentionCall, Scorer
 class AccumulatedAttention(Scorer):
     combine = "add"
 
-    def pool_kernel(self, call: AttentionCall) -> int | None:
-        """SnapKV max-pools a prompt's window scores; None: no pooling."""
+    def pooling(self, call: AttentionCall) -> tuple[str, int] | None:
+        """How a prompt's window scores are pooled along the slots (``"max"`` or ``"avg"``, kernel); None: not."""
         return None
 
     def attend(self, call: AttentionCall, state) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        pool = self.pool_kernel(call)
+        pool = self.pooling(call)
         # a pooled window keeps the original attention for the output and scores beside it
         fuse = call.may_fuse and pool is None
         return observed_attention(
             call.queries, call.keys, call.slot_valid, call.observed, call.scaling, softcap=call.softcap,
-            pool_kernel=pool, values=call.values if fuse else None, all_live=call.all_live,
+            pooling=pool, values=call.values if fuse else None, all_live=call.all_live,
             first_row=self.first_observed(call.length),
         )
 

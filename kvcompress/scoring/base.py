@@ -24,7 +24,7 @@ Its class attributes declare the rest, so the session never compares method name
 * ``allocation``: the ``budget_allocation`` the method's presets use (KVzip: ``"global_adaptive"``, over every
   layer and head);
 * ``options``: method-specific settings (name -> default), given as ``scorer_options`` in the parameters;
-  ``minimums`` bounds the numeric ones from below.
+  ``minimums`` bounds the numeric ones from below, ``choices`` lists the values a string one may take.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class Scorer:
     reference_selection: ClassVar[dict[str, Any]] = {}
     options: ClassVar[dict[str, Any]] = {}
     minimums: ClassVar[dict[str, float]] = {}
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __init__(self, parameters: "KVCacheCompressionParameters"):
         self.parameters = parameters
@@ -109,6 +110,11 @@ class Scorer:
                 raise ValueError(
                     f"scorer_options[{name!r}] for method={cls.name!r} must be >= {cls.minimums[name]}, "
                     f"got {value!r}"
+                )
+            if name in cls.choices and value not in cls.choices[name]:
+                raise ValueError(
+                    f"scorer_options[{name!r}] for method={cls.name!r} must be one of "
+                    f"{', '.join(map(repr, cls.choices[name]))}, got {value!r}"
                 )
 
     def bind(self, model: nn.Module, tokenizer: Any) -> None:

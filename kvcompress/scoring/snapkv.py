@@ -1,5 +1,6 @@
-"""SnapKV: the attention of a prompt's last ``window_size`` queries, max-pooled along the slots, then each decode
-step's query (accumulated as H2O does)."""
+"""SnapKV: the attention of a prompt's last ``window_size`` queries, pooled along the slots (max-pooled as the
+paper's LongBench runs, or averaged as kvpress and the reference code's default: ``scorer_options={"pooling":
+"avg"}``), then each decode step's query (accumulated as H2O does)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from .base import AttentionCall
 class SnapKV(AccumulatedAttention):
     name = "snapkv"
     uses_window = True
+    options = {"pooling": "max"}
+    choices = {"pooling": ("max", "avg")}
 
     def observed_queries(self, new_valid: torch.Tensor, replay: bool) -> torch.Tensor:
         length = new_valid.shape[-1]
@@ -23,5 +26,5 @@ class SnapKV(AccumulatedAttention):
     def first_observed(self, length: int) -> int:
         return max(0, length - self.parameters.window_size)
 
-    def pool_kernel(self, call: AttentionCall) -> int | None:
-        return self.parameters.snapkv_kernel_size if call.length > 1 else None
+    def pooling(self, call: AttentionCall) -> tuple[str, int] | None:
+        return (self.settings["pooling"], self.parameters.snapkv_kernel_size) if call.length > 1 else None

@@ -43,6 +43,8 @@ INVALID = [
     ({"strategy": "per_group", "recent_size": 48}, ValueError, "recent_size"),
     ({"strategy": "per_group", "refined_algorithm": "kvcrush", "refined_size": 16}, ValueError, "refined_size"),
     ({"scorer_options": {"chunk_size": 512}}, ValueError, "do not apply to method='snapkv'"),
+    ({"scorer_options": {"pooling": "mean"}}, ValueError, "pooling'] for method='snapkv' must be one of 'max', 'avg'"),
+    ({"scorer_options": {"pooling": 3}}, TypeError, "pooling"),
     ({"budget_allocation": "adaptive_layers"}, ValueError, "budget_allocation must be one of"),
     ({"budget_allocation": 1}, TypeError, "budget_allocation"),
     ({"budget_allocation": "global", "rerotate_keys": True}, ValueError, "budget_allocation='global'"),
