@@ -31,6 +31,9 @@ Protocols, both through kvpress's own ``KVPressTextGenerationPipeline`` (``pipel
   uncompressed, over the compressed cache.
 * ``query_aware`` -- kvpress README's definition: ``pipe(context + question, question="", answer_prefix=prefix)``;
   the question is part of the compressed prefill; only end-of-turn + assistant header + prefix come after.
+* ``whole_prompt`` -- our runner's query-aware protocol, for a matched run: the runner's own ids
+  (``ruler.chat.encode_prompt``, with the chat template unless ``--raw-prompt``) all compressed but the last, which
+  kvpress's pipeline must feed after its prefill (our runner compresses that token too).
 
 The token stream is the same in both (user turn = context + question, then the prefix opens the assistant turn),
 which is also the layout our benchmark uses.
@@ -90,7 +93,7 @@ ALL_METHODS = (
     "streaming_llm", "observed_attention",
 )
 EAGER_METHODS = {"observed_attention"}  # needs the attention weights: attn_implementation="eager"
-PROTOCOLS = ("context_first", "query_aware")
+PROTOCOLS = ("context_first", "query_aware", "whole_prompt")
 
 
 # method -> (kvpress press class, its arguments besides compression_ratio)
@@ -298,6 +301,9 @@ class Runner:
 
     def tensors(self, pipe, parts, protocol: str) -> dict:
         """The pipeline's inputs: kvpress's own preprocessing, or with ``raw_prompt`` the runner's token ids."""
+        if protocol == "whole_prompt":
+            ids = torch.tensor([encode_prompt(self.tokenizer, parts, "query_aware", not self.raw_prompt).input_ids])
+            return {"context_ids": ids[:, :-1], "questions_ids": [ids[:, -1:]]}
         if self.raw_prompt:
             encoded = encode_prompt(self.tokenizer, parts, protocol, chat_template=False)
             split = encoded.prefill_length
@@ -472,7 +478,7 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", default=list(ALL_METHODS), type=method_name,
                     help="methods of kvpress (ALL_METHODS), X-adaptive (AdaKVPress), X-blockN (BlockPress)")
     ap.add_argument("--kept", nargs="+", type=float, default=[0.1, 0.2, 0.4], help="kept fractions (1 - ratio)")
-    ap.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)
+    ap.add_argument("--protocols", nargs="+", default=list(PROTOCOLS[:2]), choices=PROTOCOLS)
     ap.add_argument("--limit", type=int, default=None, help="first N samples of each file")
     ap.add_argument("--max-new-tokens", type=int, default=32,
                     help="greedy decode budget; 0 = RULER's per-task value (niah 128, vt 30, cwe 120, fwe 50, qa 32)")

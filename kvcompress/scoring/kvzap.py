@@ -9,8 +9,11 @@ scored like prompt tokens: continuous eviction during long generations keeps wha
 
 Trained weights ship for the embedded models and are found by the model's fingerprint; for other models train
 them with ``kvcompress-train-scorer`` and pass ``scorer_options={"weights": path}``. A slot's score is the
-exponential of its predicted log-score, a predicted KVzip score: the layers share one budget by it, as KVzip's
-presets do, and a layer's KV heads add up as KVzip's scores do where they share a selection.
+exponential of its predicted log-score, a predicted KVzip score: the layers share one budget by it, and a layer's
+KV heads add up as KVzip's scores do where they share a selection. The preset keeps the layers' heads together
+(``global``) where KVzip's lets every head compete (``global_adaptive``): head-wise counts are set at a prompt
+and evict nothing while decoding, and scoring decoded tokens is what KVzap is for; for prompt-only compression
+at a small budget ``budget_allocation="global_adaptive"`` keeps more of what the prompts need.
 """
 
 from __future__ import annotations
