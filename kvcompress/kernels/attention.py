@@ -71,7 +71,7 @@ def observed_attention(
     observed: torch.Tensor,
     scaling: float,
     softcap: float | None = None,
-    pooling: tuple[str, int] | None = None,
+    pooling: tuple[str, int, str] | None = None,
     values: torch.Tensor | None = None,
     all_live: bool | None = None,
     reduce: str = "sum",
@@ -85,8 +85,9 @@ def observed_attention(
     after its update (the last q slots are this forward's tokens), ``slot_valid`` (B, T) marks live slots and
     ``observed`` (B, q) the queries whose attention counts (real tokens inside the method's window). A query at
     forward index i sees slots up to T - q + i, exactly as the model's causal mask allows; an unobserved query
-    (padding) sees every slot, so its output stays finite. ``pooling`` (``"max"`` or ``"avg"``, kernel)
-    smooths SnapKV's scores along the slots with a centred pool, per query head, before the head sum. The output
+    (padding) sees every slot, so its output stays finite. ``pooling`` (``"max"`` or ``"avg"``, kernel,
+    ``"centred"`` or ``"forward"``) smooths SnapKV's scores along the slots, per query head, before the head sum:
+    a centred pool, or one over each slot and the kernel - 1 slots before it (a high score carried forward). The output
     is laid out as transformers' attention functions return it: (B, q, H, d). ``all_live`` (every slot live,
     hence every token real), when the caller knows it, spares the per-layer checks. ``first_row``: no query
     before it is observed (a bound the caller knows, such as SnapKV's window), so that a pass without output
@@ -177,8 +178,12 @@ def observed_attention(
         start = stop
     if per_head:
         flat = summed.flatten(0, 2).unsqueeze(1)
-        mode, kernel = pooling
-        pooled = POOLS[mode](flat, kernel, stride=1, padding=kernel // 2)
+        mode, kernel, direction = pooling
+        if direction == "forward":
+            flat = torch.nn.functional.pad(flat, (kernel - 1, 0), value=float("-inf") if mode == "max" else 0.0)
+            pooled = POOLS[mode](flat, kernel, stride=1)
+        else:
+            pooled = POOLS[mode](flat, kernel, stride=1, padding=kernel // 2)
         summed = pooled.view_as(summed)
     if output is not None:
         output = output.view(batch, length, heads, head_dim)

@@ -18,8 +18,9 @@ from .base import AttentionCall, Scorer
 class AccumulatedAttention(Scorer):
     combine = "add"
 
-    def pooling(self, call: AttentionCall) -> tuple[str, int] | None:
-        """How a prompt's window scores are pooled along the slots (``"max"`` or ``"avg"``, kernel); None: not."""
+    def pooling(self, call: AttentionCall) -> tuple[str, int, str] | None:
+        """How a prompt's window scores are pooled along the slots (``"max"`` or ``"avg"``, kernel, ``"centred"`` or
+        ``"forward"``); None: not."""
         return None
 
     def attend(self, call: AttentionCall, state) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -45,6 +45,8 @@ INVALID = [
     ({"scorer_options": {"chunk_size": 512}}, ValueError, "do not apply to method='snapkv'"),
     ({"scorer_options": {"pooling": "mean"}}, ValueError, "pooling'] for method='snapkv' must be one of 'max', 'avg'"),
     ({"scorer_options": {"pooling": 3}}, TypeError, "pooling"),
+    ({"scorer_options": {"pool_direction": "backward"}}, ValueError,
+     "pool_direction'] for method='snapkv' must be one of 'centred', 'forward'"),
     ({"budget_allocation": "adaptive_layers"}, ValueError, "budget_allocation must be one of"),
     ({"budget_allocation": 1}, TypeError, "budget_allocation"),
     ({"budget_allocation": "global", "rerotate_keys": True}, ValueError, "budget_allocation='global'"),
