@@ -1,6 +1,8 @@
 """Where KVzip ranks a RULER needle: per compressed layer and query head, the rank of each needle token among the
 context's slots by the most attention its reconstruction queries give it (KVzip's score takes the maximum over the
-query heads of a KV group), beside the group's maximum and mean.
+query heads of a KV group), beside the group's maximum and mean, and the maximum of each head's attention times
+the norm of what the slot adds to that head's output, ‖W_O v‖ (KVzip+'s weighting, from the KVzap paper), and that
+norm alone.
 
 A method keeps a needle token in a layer only if its rank there is below the layer's budget; this shows which layer
 and head lose it, and whether one head's broad attention (a copy head) decides a whole group's ranking. The
@@ -31,6 +33,7 @@ class KVzipPerHead(KVzip):
 
     name = "kvzip-per-head"
     maxima: dict[int, torch.Tensor] = {}  # layer -> (H, T) over the cached context
+    contributions: dict[int, torch.Tensor] = {}  # layer -> (H, T): ||W_O^h v|| of each context slot, per query head
 
     def attend(self, call, state):
         if call.replay:
@@ -45,6 +48,11 @@ class KVzipPerHead(KVzip):
             layer = call.module.layer_idx
             seen = self.maxima.get(layer)
             self.maxima[layer] = weights if seen is None else torch.maximum(seen, weights[:, : seen.shape[1]])
+            if layer not in self.contributions:
+                values = call.values[0].float()[:, : total - length].repeat_interleave(group, 0)  # (H, T, d)
+                output = call.module.o_proj.weight.float()  # (D, H * d)
+                per_head = output.view(output.shape[0], queries.shape[0], -1).permute(1, 2, 0)  # (H, d, D)
+                self.contributions[layer] = (values @ per_head).norm(dim=-1)
         return super().attend(call, state)
 
 
@@ -91,7 +99,7 @@ def main(argv=None) -> int:
         length = prompt.prefill_length
         context = torch.tensor([prompt.input_ids[:length]])
         needle = needle_positions(tokenizer, prompt.input_ids[:length], str(record["outputs"][0]))
-        KVzipPerHead.maxima = {}
+        KVzipPerHead.maxima, KVzipPerHead.contributions = {}, {}
         with kvcompress.compress(model, method=KVzipPerHead.name, budget=length + 1, tokenizer=tokenizer):
             model(context, use_cache=True)
         lines += [f"## record {record_id}: needle {record['outputs'][0]!r} at positions {needle} of {length}", "",
@@ -100,8 +108,11 @@ def main(argv=None) -> int:
         for layer, maxima in sorted(KVzipPerHead.maxima.items()):
             for kv, group in enumerate(maxima.chunk(kv_heads)):  # a KV head's query heads
                 rows = [(f"query head {kv * len(group) + head}", group[head]) for head in range(len(group))]
+                norms = KVzipPerHead.contributions[layer].chunk(kv_heads)[kv]
                 rows += [(f"KV head {kv}: group maximum (KVzip)", group.amax(0)),
-                         (f"KV head {kv}: group mean", group.mean(0))]
+                         (f"KV head {kv}: group mean", group.mean(0)),
+                         (f"KV head {kv}: group maximum of attention x ‖W_O v‖ (KVzip+)", (group * norms).amax(0)),
+                         (f"KV head {kv}: ‖W_O v‖ alone (group maximum)", norms.amax(0))]
                 for label, scores in rows:
                     rank = ranks(scores)
                     lines.append(f"| {layer} | {label} | {', '.join(str(int(rank[p])) for p in needle)} "
