@@ -54,8 +54,8 @@ MAX_CHUNK_ELEMENTS = 1 << 25
 LOG2_E = 1.4426950408889634
 PREFIX_ROWS = 512  # query rows per product in prefix_max_attention (fewer when the prefix is long)
 TRITON_ON_CPU = False  # run the accelerator path on CPU tensors too (tests, under TRITON_INTERPRET=1)
-# SnapKV's pools: its reference code offers both (the paper's LongBench runs max-pool, kvpress averages); the
-# average counts the zero padding at the ends, as torch's default and both references do
+# SnapKV's pools: its reference code offers both (the paper's LongBench runs max-pool, kvpress averages), applied to
+# scores padded at the ends: -inf for the maximum, zeros for the average, which counts them (as both references do)
 POOLS = {"max": torch.nn.functional.max_pool1d, "avg": torch.nn.functional.avg_pool1d}
 
 
@@ -179,12 +179,10 @@ def observed_attention(
     if per_head:
         flat = summed.flatten(0, 2).unsqueeze(1)
         mode, kernel, direction = pooling
-        if direction == "forward":
-            flat = torch.nn.functional.pad(flat, (kernel - 1, 0), value=float("-inf") if mode == "max" else 0.0)
-            pooled = POOLS[mode](flat, kernel, stride=1)
-        else:
-            pooled = POOLS[mode](flat, kernel, stride=1, padding=kernel // 2)
-        summed = pooled.view_as(summed)
+        before = kernel - 1 if direction == "forward" else kernel // 2  # slots each window reaches back
+        edge = float("-inf") if mode == "max" else 0.0
+        flat = torch.nn.functional.pad(flat, (before, kernel - 1 - before), value=edge)
+        summed = POOLS[mode](flat, kernel, stride=1).view_as(summed)
     if output is not None:
         output = output.view(batch, length, heads, head_dim)
     return summed.sum(dim=2), output
