@@ -501,10 +501,11 @@ def main(argv=None) -> int:
     done = read_results(results_path, repair=not args.summary_only)
     finished = {run_key(r) for r in done}
 
-    model_name = args.model.name if args.model else "SmolLM2-135M-Instruct"
-
     def write_summary():
         recs = read_results(results_path)
+        # The records name their model; lines written before they did fall back to --model or the default model.
+        fallback = args.model.name if args.model else "SmolLM2-135M-Instruct"
+        model_name = ", ".join(sorted({r.get("model", fallback) for r in recs})) or fallback
         table = summarize(recs)
         vers = versions()
         text = (
@@ -571,7 +572,7 @@ def main(argv=None) -> int:
             "protocol": protocol, "outputs": s["outputs"], "length": s.get("length"),
             "prediction": res.pop("prediction"), "score": score, "passed": score == 1.0,
             "max_new_tokens": mnt, **res,
-            "split": split_name, "press": repr(press), "kvpress": vers["kvpress"],
+            "model": model_dir.name, "split": split_name, "press": repr(press), "kvpress": vers["kvpress"],
             "transformers": vers["transformers"], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         rec["score_kvpress_cleanup"] = string_match_all_kvpress(rec["prediction"], s["outputs"])
