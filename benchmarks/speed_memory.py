@@ -78,10 +78,10 @@ from benchmarks.common import (  # noqa: E402
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor, surrogate  # noqa: E402
 from kvcompress.budget import budget_slots  # noqa: E402
 from kvcompress.cache import kv_cache_bytes, kv_cache_length  # noqa: E402
-from kvcompress.presets import NONE, STREAMING_LLM, method_names, preset  # noqa: E402
+from kvcompress.presets import STREAMING_LLM, method_names, preset  # noqa: E402
 
 GROUP_SIZE = 32
-SCORERS = tuple(m for m in method_names() if m not in (NONE, STREAMING_LLM))  # every registered scorer
+SCORERS = tuple(m for m in method_names() if m != STREAMING_LLM)  # every registered scorer
 # <preset>-<variant>: pages, per-head selection, head-wise budgets (AdaKV's, every head of every layer), layers alone
 VARIANTS = {
     "per-group": {"strategy": "per_group", "group_size": GROUP_SIZE},

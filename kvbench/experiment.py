@@ -191,9 +191,9 @@ def _parameter_fields() -> frozenset[str]:
 
 def _methods() -> tuple[str, ...]:
     """``none``, ``streaming_llm`` and every kvcompress preset (the registered scorers)."""
-    from kvcompress.presets import method_names
+    from kvcompress.presets import NONE, method_names
 
-    return tuple(method_names())
+    return (NONE, *method_names())
 
 
 def _build_parameters(method: str, budget: int | float | None, fields: dict[str, Any], key: str) -> Any:

@@ -1,77 +1,172 @@
-"""Every budget computation in one place: a budget given as slots or as a fraction of the prompt, the slots a
-layer keeps, its scored area per sequence, and how far past its budget a layer may grow before it evicts.
+"""Every budget computation in one place: a budget given as slots or as a fraction of what a sequence has seen, the
+slots a layer keeps, its windows and scored area per sequence, and how far past its budget a layer may grow before
+it evicts.
 
 A layer keeps ``start_size + recent_size`` window slots plus its scored area: ``intermediate_size`` slots (in
 eviction units of ``unit_size``: one slot, or one page with ``strategy="per_group"``), unless the layer or a
-sequence has an area of its own (``LayerState.scored_units``): a fractional budget's per-prompt area, a share of a
-budget the layers split by score (``budget_allocation="global"``), a step of PyramidKV's schedule. ``BudgetPlan``
-answers these questions for a session; ``budget_slots`` serves the CLI, the runners and the benchmarks as well.
+sequence has an area of its own (``LayerState.scored_units``): a fractional budget's per-sequence area, a share of
+a budget the layers split by score (``budget_allocation="global"``), a step of PyramidKV's schedule. A fractional
+budget also gives each sequence its own windows: every sequence of a batch keeps what it would keep alone.
+``BudgetPlan`` answers these questions for a session; ``budget_slots`` serves the CLI, the runners and the
+benchmarks as well.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
 
 from .parameters import KVCacheCompressionParameters
 from .selection.allocation import pyramid_scored_units
+from .selection.windows import SequenceWindows
 from .state import LayerState
 
+BUDGET_FORMS = "a number of slots (an integer >= 1, e.g. 512) or a fraction of the sequence in (0, 1] (0.2 or '20%')"
 
-def check_budget(budget: Any) -> None:
-    """A budget is a number of slots (an integer >= 1) or a fraction of the prompt in (0, 1)."""
-    valid = (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1) or (
-        isinstance(budget, float) and 0.0 < budget < 1.0
+
+def parse_budget(budget: Any) -> int | float:
+    """A budget in any of the forms the library and the command line take: an integer number of slots (``512`` or
+    ``"512"``), or a fraction of the sequence in (0, 1] (``0.2``, ``"0.2"`` or ``"20%"``; ``1.0`` keeps everything a
+    prompt brings). Raises ValueError naming ``budget`` and the forms otherwise."""
+    value = budget
+    if isinstance(budget, str):
+        text = budget.strip()
+        try:
+            if text.endswith("%"):
+                value = float(text[:-1]) / 100
+            elif text.isdigit():
+                value = int(text)
+            else:
+                value = float(text)
+        except ValueError:
+            value = None
+    valid = (isinstance(value, int) and not isinstance(value, bool) and value >= 1) or (
+        isinstance(value, float) and 0.0 < value <= 1.0
     )
     if not valid:
-        raise ValueError(
-            f"budget must be a number of slots (an integer >= 1) or a fraction of the prompt in (0, 1), got {budget!r}"
-        )
+        raise ValueError(f"budget must be {BUDGET_FORMS}, got {budget!r}")
+    return value
 
 
-def budget_slots(budget: int | float, prompt_tokens: int) -> int:
-    """Slots per layer for one prompt: an integer budget as is, a fraction of the prompt's tokens rounded."""
-    check_budget(budget)
+def budget_slots(budget: int | float | str, tokens: int) -> int:
+    """Slots per layer for a sequence of ``tokens`` tokens: an integer budget as is, a fraction of the tokens
+    rounded (at least one slot)."""
+    budget = parse_budget(budget)
     if isinstance(budget, float):
-        return max(1, round(budget * prompt_tokens))
+        return max(1, round(budget * tokens))
     return budget
 
 
-class BudgetPlan:
-    """The session's budgets: the parameters' (replaced when a fractional budget meets a new prompt) and the
-    per-sequence areas each compressed layer starts a sequence with."""
+@dataclasses.dataclass(frozen=True)
+class FractionalBudget:
+    """A budget that is a ``fraction`` of everything a sequence has seen: ``parameters_for(slots)`` gives the
+    method's parameters at a number of slots (its preset), and ``minimum`` is the fewest slots they accept (a
+    preset's windows need room), which a short sequence is raised to."""
 
-    def __init__(self, parameters: KVCacheCompressionParameters,
-                 prompt_budget: Callable[[int], int] | None = None,
-                 prompt_parameters: Callable[[int], KVCacheCompressionParameters] | None = None):
-        """``prompt_budget`` / ``prompt_parameters`` (a fractional budget): each new sequence's slots follow its
-        prompt's real tokens, and the parameters are those of the batch's longest prompt; a shorter prompt of a
-        batch keeps the same windows and a smaller scored area."""
+    fraction: float
+    parameters_for: Callable[[int], KVCacheCompressionParameters]
+    minimum: int = 1
+
+    @classmethod
+    def of(cls, fraction: float, parameters_for: Callable[[int], KVCacheCompressionParameters]) -> "FractionalBudget":
+        """The budget of ``fraction`` with the fewest slots ``parameters_for`` accepts found once (by bisection:
+        a preset that accepts a budget accepts every larger one); a nominal sequence's parameters are built first,
+        so a bad method or override fails here with its own message."""
+        low, high = 1, 1024
+        parameters_for(high)
+        while low < high:
+            middle = (low + high) // 2
+            try:
+                parameters_for(middle)
+                high = middle
+            except ValueError:
+                low = middle + 1
+        return cls(fraction, parameters_for, low)
+
+    def slots(self, tokens: int) -> int:
+        return max(self.minimum, budget_slots(self.fraction, tokens))
+
+
+class BudgetPlan:
+    """The session's budgets: the parameters in force (a fractional budget's follow each sequence's length), and the
+    per-sequence windows and areas each compressed layer works with."""
+
+    def __init__(self, parameters: KVCacheCompressionParameters, fraction: FractionalBudget | None = None):
+        """``fraction`` (``kvcompress.compress`` with a fractional budget): each sequence keeps that fraction of
+        everything it has seen, resolved again at every prompt forward (a chat's turn) and, where budgets are fixed
+        before any score, as decoding goes on (``follow``); the parameters are those of the batch's longest
+        sequence, and each sequence gets the windows and scored area of its own length."""
         self.parameters = parameters
-        self._prompt_budget, self._prompt_parameters = prompt_budget, prompt_parameters
+        self.fraction = fraction
         # each compressed layer's scored area per sequence where it is not the parameters', and its smallest
-        # value, read from the device once per sequence
+        # value, read from the device once per resolution
         self.sequence_units: dict[int, tuple[torch.Tensor, int]] = {}
+        self.windows: SequenceWindows | None = None  # each sequence's windows, where a fraction sizes them
         # (B, T) real tokens of a whole prompt that arrives in several forwards (chunked prefill): its sequence's
         # budget follows all of them, not the first forward's
         self.whole_prompt: torch.Tensor | None = None
+        # a fraction's last resolution: real tokens seen per sequence, the cache length it was made at (a decode step
+        # adds one token to every sequence), and the slots it gave each sequence
+        self._resolved: tuple[list[int], int, list[int]] | None = None
 
-    # ------------------------------------------------------------------ a new sequence
-    def start_sequence(self, prompt_valid: torch.Tensor, layers: list[int]) -> KVCacheCompressionParameters:
-        """A prompt starts a sequence (B, q real tokens): the parameters it runs with, and every layer's initial
-        per-sequence area (``sequence_units``)."""
-        base = None
+    # ------------------------------------------------------------------ a sequence and what it has seen
+    def start_sequence(self, prompt_valid: torch.Tensor, layers: list[int]) -> None:
+        """A prompt starts a sequence (B, q real tokens): the parameters it runs with (a fraction's), and every
+        layer's initial per-sequence area (``sequence_units``)."""
         if self.whole_prompt is not None:
             prompt_valid = self.whole_prompt.to(prompt_valid.device)
-        if self._prompt_parameters is not None:
-            lengths = prompt_valid.sum(-1).tolist()
-            self.parameters = params = self._prompt_parameters(max(lengths))
-            windows = params.start_size + params.recent_size
-            areas = [max(0, self._prompt_budget(n) - windows) // params.unit_size for n in lengths]
-            base = torch.tensor(areas, device=prompt_valid.device), min(areas)
+        self._resolved = None
+        base = None
+        if self.fraction is not None:
+            base = self._resolve(prompt_valid.sum(-1).tolist(), prompt_valid.shape[-1], prompt_valid.device)
         self.sequence_units = self._initial_units(base, prompt_valid.shape[0], prompt_valid.device, layers)
-        return self.parameters
+
+    def follow(self, mask: torch.Tensor | None, batch: int, length: int, seen: int,
+               states: dict[int, LayerState | None], device: torch.device) -> None:
+        """A fractional budget follows a sequence that goes on (``length`` new tokens after a cache of ``seen``,
+        padding included; ``mask`` the forward's 2-D attention mask, or None): resolved again on the real tokens
+        seen so far at every prompt forward (a chat's next turn; the chunks of one prompt keep the whole prompt's
+        budget) and, with budgets fixed before any score (``"uniform"``, ``"pyramid"``) and
+        ``compress_during_decoding``, at decode steps; the layers then take their new areas. Budgets that scores
+        shared out (``"global"``, head-wise) keep the last prompt's shares while decoding."""
+        params = self.parameters
+        if self.fraction is None or self.whole_prompt is not None:
+            return
+        if length == 1:
+            if (self._resolved is None or not params.compress_during_decoding
+                    or params.budget_allocation not in ("uniform", "pyramid")):
+                return
+            tokens, at, _ = self._resolved
+            tokens = [count + seen + 1 - at for count in tokens]
+        else:
+            tokens = mask.sum(-1).tolist() if mask is not None else [seen + length] * batch
+        base = self._resolve(tokens, seen + length, device)
+        if base is None:
+            return
+        self.sequence_units = self._initial_units(base, batch, device, list(states))
+        for index, state in states.items():
+            if state is not None:
+                self.start_layer(state, index)
+
+    def _resolve(self, tokens: list[int], cache_length: int,
+                 device: torch.device) -> tuple[torch.Tensor, int] | None:
+        """The fraction over each sequence's ``tokens``: the parameters (the longest sequence's), every sequence's
+        windows, and its scored area (B,) with their minimum; None where no sequence's slots changed."""
+        slots = [self.fraction.slots(count) for count in tokens]
+        unchanged = self._resolved is not None and self._resolved[2] == slots
+        self._resolved = tokens, cache_length, slots
+        if unchanged:
+            return None
+        by_slots = {count: self.fraction.parameters_for(count) for count in set(slots)}
+        per_sequence = [by_slots[count] for count in slots]
+        self.parameters = by_slots[max(slots)]
+        windows = [(params.start_size, params.recent_size) for params in per_sequence]
+        start, recent = torch.tensor(windows, dtype=torch.long, device=device).unbind(-1)
+        self.windows = SequenceWindows(start, recent, min(first + last for first, last in windows))
+        areas = [params.intermediate_size // params.unit_size for params in per_sequence]
+        return torch.tensor(areas, device=device), min(areas)
 
     def _initial_units(self, base: tuple[torch.Tensor, int] | None, batch: int, device: torch.device,
                        layers: list[int]) -> dict[int, tuple[torch.Tensor, int]]:
@@ -87,7 +182,7 @@ class BudgetPlan:
         return {index: (shares[number], fewest[number]) for number, index in enumerate(layers)}
 
     def start_layer(self, state: LayerState, index: int) -> None:
-        """A layer's state starts a sequence with its initial area, where it has one of its own."""
+        """A layer's state takes its area for the sequence, where it has one of its own."""
         if index in self.sequence_units:
             units, fewest = self.sequence_units[index]
             state.set_scored_units(units.clone(), fewest)
@@ -97,10 +192,22 @@ class BudgetPlan:
         """Units of the parameters' own scored area (every layer and sequence without an area of its own)."""
         return self.parameters.intermediate_size // self.parameters.unit_size
 
+    def window_rows(self, rows: int) -> SequenceWindows | None:
+        """The windows of ``rows`` rows stacked layer-major, where sequences have windows of their own; else None
+        (the parameters')."""
+        return None if self.windows is None else self.windows.rows(rows)
+
     def slots(self, scored_units: torch.Tensor | int) -> torch.Tensor | int:
-        """Slots kept for a scored area of ``scored_units`` units: the windows plus the scored slots."""
+        """Slots kept for a scored area of ``scored_units`` units (one per row stacked layer-major, or the fewest of
+        a layer): the windows plus the scored slots."""
         params = self.parameters
-        return params.start_size + params.recent_size + scored_units * params.unit_size
+        scored = scored_units * params.unit_size
+        if self.windows is None:
+            return params.start_size + params.recent_size + scored
+        if isinstance(scored_units, int):
+            return self.windows.fewest + scored
+        windows = self.windows.rows(scored_units.shape[0])
+        return windows.start + windows.recent + scored
 
     def scored_units(self, state: LayerState) -> torch.Tensor:
         """(B,) units of the layer's scored area: its own, else the parameters'."""

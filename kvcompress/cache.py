@@ -16,6 +16,8 @@ writes the layout into the mask; outside a session the layers behave as plain dy
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -223,3 +225,42 @@ def kv_cache_length(cache: Cache) -> int:
     lengths = [layer.keys.shape[-2] / (getattr(layer, "folded_heads", None) or 1)
                for layer in _filled_layers(cache) if not getattr(layer, "is_sliding", False)]
     return round(sum(lengths) / len(lengths)) if lengths else 0
+
+
+TOTALS = ("prefill", "decode")  # the timings that cover whole forwards, beside those of compression's parts
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheReport:
+    """A cache against the full cache for the tokens it has seen (``CompressionSession.report``)."""
+
+    tokens: int  # tokens seen per sequence (padding included)
+    kv_bytes: int  # what the keys and values hold
+    full_kv_bytes: int  # what the uncompressed cache would hold for the same tokens
+    state_bytes: int  # the eviction state beside them (scores, positions, layout)
+    timings: dict[str, float]  # seconds: compression's parts, and the "prefill" and "decode" totals
+
+    @property
+    def kept_fraction(self) -> float:
+        return self.kv_bytes / self.full_kv_bytes if self.full_kv_bytes else 1.0
+
+    @property
+    def compression_seconds(self) -> float:
+        """Seconds spent compressing: every part but the forwards' totals."""
+        return sum(seconds for part, seconds in self.timings.items() if part not in TOTALS)
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{part} {seconds:.2f} s" for part, seconds in sorted(self.timings.items()))
+        return (f"{self.tokens:,} tokens seen; KV cache {_mib(self.kv_bytes)} of {_mib(self.full_kv_bytes)} "
+                f"({self.kept_fraction:.1%}), state {_mib(self.state_bytes)}; {parts or 'no timings'}")
+
+
+def _mib(count: int) -> str:
+    return f"{count / 2**20:.2f} MiB"
+
+
+def cache_report(cache: Cache, timings: dict[str, float] | None = None) -> CacheReport:
+    """``cache``'s bytes against the full cache for the tokens it has seen, with ``timings``."""
+    tokens = cache.get_seq_length()
+    return CacheReport(tokens, kv_cache_bytes(cache), full_cache_bytes(cache, tokens), state_bytes(cache),
+                       dict(timings or {}))

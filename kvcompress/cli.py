@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .budget import budget_slots
+from .budget import budget_slots, parse_budget
 from .cache import kv_cache_bytes, kv_cache_length
 from .compressor import KVCacheCompressor
 from .parameters import AGGREGATIONS, KVCacheCompressionParameters
@@ -40,33 +40,12 @@ SIZE_OPTIONS = ("start_size", "intermediate_size", "recent_size")
 CONFIG_EXCLUSIVE = ("method", "budget", "score_aggregation", "window_size", *SIZE_OPTIONS)
 
 
-@dataclass(frozen=True)
-class Budget:
-    """Slots kept per layer: a fixed count, or a fraction of the prompt's tokens (``--budget 20%``)."""
-
-    slots: int | None = None
-    fraction: float | None = None
-
-    def resolve(self, prompt_tokens: int) -> int:
-        if self.slots is not None:
-            return self.slots
-        return prompt_tokens if self.fraction == 1 else budget_slots(self.fraction, prompt_tokens)
-
-
-def parse_budget(text: str) -> Budget:
+def budget_option(text: str) -> int | float:
+    """``--budget``: the forms ``kvcompress.compress`` takes (400, 0.2, 20%)."""
     try:
-        if text.endswith("%"):
-            percent = float(text[:-1])
-            if 0 < percent <= 100:
-                return Budget(fraction=percent / 100)
-        elif int(text) > 0:
-            return Budget(slots=int(text))
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(
-        f"expected a positive number of slots (e.g. 400) or a percentage of the prompt in (0, 100] (e.g. 20%), "
-        f"got {text!r}"
-    )
+        return parse_budget(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def positive_int(text: str) -> int:
@@ -88,8 +67,8 @@ def _compression_options() -> argparse.ArgumentParser:
     group = parent.add_argument_group(f"compression (defaults: {DEFAULT_METHOD}, a budget of 20% of the prompt)")
     group.add_argument("--method", "--algorithm", dest="method", choices=list(SCORERS),
                        help=f"default: {DEFAULT_METHOD} (--algorithm: its old name)")
-    group.add_argument("--budget", type=parse_budget,
-                       help="slots kept per layer: a count (400) or a percentage of the prompt (20%%); "
+    group.add_argument("--budget", type=budget_option,
+                       help="slots kept per layer: a count (400) or a fraction of the prompt (0.2 or 20%%); "
                             "the method's preset splits it (kvcompress.presets)")
     for name in SIZE_OPTIONS:
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, type=non_negative_int,
@@ -154,8 +133,8 @@ def compression_parameters(args: argparse.Namespace, prompt_tokens: int) -> KVCa
         if None in sizes or args.budget is not None:
             raise ValueError("give either --budget or all three of --start-size, --intermediate-size, --recent-size")
         return KVCacheCompressionParameters(method=method, **dict(zip(SIZE_OPTIONS, sizes)), **overrides)
-    budget = args.budget or parse_budget(DEFAULT_BUDGET)
-    return preset(method, budget.resolve(prompt_tokens), **overrides)
+    budget = args.budget if args.budget is not None else parse_budget(DEFAULT_BUDGET)
+    return preset(method, budget_slots(budget, prompt_tokens), **overrides)
 
 
 @dataclass(frozen=True)
@@ -201,7 +180,7 @@ def run_generation(model, tokenizer, input_ids: torch.Tensor, params: KVCacheCom
         decode_seconds=clock.stamps[-1] - first_token,
         cache_slots=kv_cache_length(out.cache),
         cache_bytes=kv_cache_bytes(out.cache),
-        compression_seconds=sum(session.timings.values()) if params else 0.0,
+        compression_seconds=session.report().compression_seconds if params else 0.0,
     )
 
 

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from .budget import budget_slots, check_budget
+from .budget import FractionalBudget, parse_budget
 from .parameters import KVCacheCompressionParameters
 from .session import CompressionSession
 
@@ -43,28 +43,27 @@ class KVCacheCompressor:
 
 
 def compress(
-    model: nn.Module, method: str = "snapkv", budget: int | float = 0.2, tokenizer: Any = None, **overrides: Any
+    model: nn.Module, method: str = "snapkv", budget: int | float | str = 0.2, tokenizer: Any = None,
+    **overrides: Any,
 ) -> "CompressionSession":
     """The one-line entry point: ``with kvcompress.compress(model, method="kvzip", budget=0.2): model.generate(...)``.
 
-    ``method`` is a preset name (``kvcompress.presets.method_names()``: every registered scorer and
-    ``streaming_llm``), ``budget`` the slots each layer keeps: a number, or a fraction of each prompt's tokens
-    (applied per sequence of a batch). ``overrides`` set any other parameter (``strategy="per_group"``, ...).
-    ``tokenizer`` serves methods that build prompts of their own (KVzip).
+    ``method`` is a preset name (``kvcompress.method_names()``: every registered scorer and ``streaming_llm``),
+    ``budget`` the slots each layer keeps: a number (``512``), or a fraction of everything each sequence has seen
+    (``0.2`` or ``"20%"``), resolved again at every prompt of a chat and as decoding goes on, per sequence of a
+    batch (``kvcompress.budget.BudgetPlan``). ``overrides`` set any other parameter (``strategy="per_group"``,
+    ...). ``tokenizer`` serves methods that build prompts of their own (KVzip).
     """
     from .presets import NONE, preset
 
     if method == NONE:
         raise ValueError("method='none' keeps the full cache: run the model without kvcompress.compress")
-    check_budget(budget)
+    budget = parse_budget(budget)
     if isinstance(budget, int):
         return CompressionSession(model, preset(method, budget, **overrides), tokenizer)
 
-    def prompt_budget(tokens: int) -> int:
-        return budget_slots(budget, tokens)
+    def parameters_for(slots: int) -> KVCacheCompressionParameters:
+        return preset(method, slots, **overrides)
 
-    def prompt_parameters(tokens: int) -> KVCacheCompressionParameters:
-        return preset(method, prompt_budget(tokens), **overrides)
-
-    nominal = prompt_parameters(1024)  # validates the method and overrides before any prompt arrives
-    return CompressionSession(model, nominal, tokenizer, prompt_budget, prompt_parameters)
+    fraction = FractionalBudget.of(budget, parameters_for)
+    return CompressionSession(model, parameters_for(fraction.slots(1024)), tokenizer, fraction)

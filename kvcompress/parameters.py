@@ -8,10 +8,12 @@ word every entry point and runner uses; the extra fields are documented in the R
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from .scoring.catalogue import SCORERS, scorer_class
 
@@ -25,22 +27,14 @@ HEAD_SHARED_ALLOCATIONS = ("adaptive", "global_adaptive")  # KV heads keep count
 DEFAULT_ADAPTIVE_FLOOR = 0.2  # AdaKV's LongBench runs and kvpress's AdaKVPress (alpha_safeguard)
 HEAD_SELECTIONS = ("shared", "per_head")
 DEFAULT_SNAPKV_WINDOW = 8
-RENAMED_KEYS = {"algorithm": "method"}  # old spelling -> field; still read from dicts and YAML, with a warning
+RENAMED_KEYS = {"algorithm": "method"}  # old spelling -> field; still read (constructor, dicts, YAML), with a warning
 RENAMED_METHODS = {"streamingllm": "streaming_llm"}  # old spelling -> method name (the runners' configs)
 
 
 def renamed(data: Mapping[str, Any], where: str = "") -> dict[str, Any]:
     """``data`` with the old spellings of keys and method names replaced, warning once per old spelling: old
     configs keep working while they are updated. ``where`` prefixes the names in messages (a config path)."""
-    data = dict(data)
-    for old, new in RENAMED_KEYS.items():
-        if old not in data:
-            continue
-        value = data.pop(old)
-        if new in data and data[new] != value:
-            raise ValueError(f"{where}{old}: {value!r} contradicts {new} {data[new]!r} ({old} is {new}'s old name)")
-        warnings.warn(f"{where}{old} is deprecated: write {new}: {value!r}", FutureWarning, stacklevel=3)
-        data[new] = value
+    data = _renamed_keys(data, where, stacklevel=4)
     method = data.get("method")
     if isinstance(method, str) and method in RENAMED_METHODS:
         warnings.warn(f"{where}method {method!r} is deprecated: write {RENAMED_METHODS[method]!r}", FutureWarning,
@@ -49,10 +43,61 @@ def renamed(data: Mapping[str, Any], where: str = "") -> dict[str, Any]:
     return data
 
 
+def _renamed_keys(data: Mapping[str, Any], where: str, stacklevel: int) -> dict[str, Any]:
+    """``data`` with the old spellings of keys replaced (the constructor's keywords take these, not old method
+    names); ``stacklevel`` points the warning at the caller's caller (the line to update)."""
+    data = dict(data)
+    for old, new in RENAMED_KEYS.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        if new in data and data[new] != value:
+            raise ValueError(f"{where}{old}: {value!r} contradicts {new} {data[new]!r} ({old} is {new}'s old name)")
+        warnings.warn(f"{where}{old} is deprecated: write {new}: {value!r}", FutureWarning, stacklevel=stacklevel)
+        data[new] = value
+    return data
+
+
+def _unknown_parameters(names: list[Any], known: Collection[str]) -> str:
+    """The message refusing keys ``names`` that are not in ``known``: each with its closest parameter, as a
+    misspelt override is the usual cause, and the accepted ones, so that the fix needs no look-up."""
+    guesses = []
+    for name in names:
+        close = difflib.get_close_matches(str(name), sorted(known), n=1)
+        guesses.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    noun = "parameter" if len(names) == 1 else "parameters"
+    return f"unknown compression {noun} {', '.join(guesses)}; accepted: {', '.join(sorted(known))}"
+
+
 def _allowed(values) -> str:
     return ", ".join(repr(v) for v in values)
 
 
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(field.name for field in dataclasses.fields(cls))
+
+
+def _checked_keywords(cls: type) -> type:
+    """Wrap the dataclass's ``__init__`` so that every way in (the constructor, ``from_dict``, ``from_budget``,
+    ``preset``, ``kvcompress.compress``'s overrides, ``dataclasses.replace``) reads ``method``'s old name
+    ``algorithm`` with a warning and refuses a misspelt keyword with its closest parameter, instead of Python's
+    bare "unexpected keyword argument"."""
+    init = cls.__init__
+    known = _field_names(cls)
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs = _renamed_keys(kwargs, "", stacklevel=3)
+        unknown = [key for key in kwargs if key not in known]
+        if unknown:
+            raise ValueError(_unknown_parameters(unknown, known))
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_checked_keywords
 @dataclasses.dataclass(frozen=True)
 class KVCacheCompressionParameters:
     """What to keep in the KV cache of every full-attention layer.
@@ -268,11 +313,10 @@ class KVCacheCompressionParameters:
         if not isinstance(data, Mapping):
             raise TypeError(f"compression parameters must be a mapping, got {type(data).__name__}")
         data = renamed(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = [key for key in data if not isinstance(key, str)]  # a YAML key such as 1: refused alike
         if unknown:
-            raise ValueError(f"unknown compression parameter(s) {unknown}; allowed: {sorted(known)}")
-        return cls(**dict(data))
+            raise ValueError(_unknown_parameters(unknown, _field_names(cls)))
+        return cls(**data)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "KVCacheCompressionParameters":

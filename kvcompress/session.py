@@ -18,7 +18,7 @@ import copy
 import time
 import weakref
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,8 +26,9 @@ from transformers.cache_utils import DynamicCache
 
 from .adapters import ModelLayout, inspect_model
 from .attention_function import install as install_attention_function
-from .budget import BudgetPlan
-from .cache import adopt_cache
+from .budget import BudgetPlan, FractionalBudget
+from .cache import CacheReport, adopt_cache, cache_report
+from .chat import DocumentPrompt, document_prompt
 from .forward import Forward
 from .masks import decoder_mask, new_token_validity, positions_from_mask, shared_layout
 from .parameters import KVCacheCompressionParameters
@@ -45,25 +46,27 @@ class CompressionSession:
         model: nn.Module,
         parameters: KVCacheCompressionParameters,
         tokenizer: Any = None,
-        prompt_budget: Callable[[int], int] | None = None,
-        prompt_parameters: Callable[[int], KVCacheCompressionParameters] | None = None,
+        fraction: FractionalBudget | None = None,
     ):
-        """``prompt_budget`` / ``prompt_parameters`` (``kvcompress.compress`` with a fractional budget): each
-        new sequence's slots follow its prompt's real tokens, and the parameters are those of the batch's
-        longest prompt; a shorter prompt of a batch keeps the same windows and a smaller scored area."""
+        """``fraction`` (``kvcompress.compress`` with a fractional budget): every sequence keeps that fraction of
+        what it has seen, with the windows of its own length (``budget.BudgetPlan``)."""
         self.model = model
         self.tokenizer = tokenizer
-        self.budget = BudgetPlan(parameters, prompt_budget, prompt_parameters)
+        self.budget = BudgetPlan(parameters, fraction)
         self.scorer = parameters.scorer(parameters)
         self.layout: ModelLayout | None = None
         self.cache: DynamicCache | None = None  # the cache of the latest forward (its layers own their state)
         self.evictions = 0  # forwards of the cache's sequence that evicted
+        # seconds by part (scoring, selection, compaction, reconstruction, ...) and in all: "prefill" (the model's
+        # multi-token forwards) and "decode" (its one-token forwards), as the host sees them
         self.timings: dict[str, float] = defaultdict(float)
+        self._clock: float | None = None  # when the model's forward in flight started
         self._forward: Forward | None = None  # the forward in flight (forward.py)
         self._handles: list[Any] = []
         self._replaying = False  # inside a context-reconstruction pass (KVzip): nothing joins the sequence
         self._restore_attention = None
         self._context: tuple[DynamicCache, torch.Tensor] | None = None  # a prefilled context and its 2-D mask
+        self._document: DocumentPrompt | None = None  # the chat template around a context given as text
         self._evicting = True  # False while generate() answers after a prefilled context
 
     # ------------------------------------------------------------------ lifecycle
@@ -89,6 +92,8 @@ class CompressionSession:
                 layout.decoder.register_forward_pre_hook(self._before_decoder, with_kwargs=True)
             )
             self._handles.append(layout.decoder.register_forward_hook(self._after_decoder, with_kwargs=True))
+            self._handles.append(self.model.register_forward_pre_hook(self._start_clock))
+            self._handles.append(self.model.register_forward_hook(self._stop_clock, with_kwargs=True))
             compressed = [layout.attention_modules[i] for i in layout.compressed_layers]
             if self.scorer.reads_hidden_states:
                 self._handles.extend(module.register_forward_pre_hook(self._before_attention, with_kwargs=True)
@@ -122,7 +127,8 @@ class CompressionSession:
         if self._restore_attention is not None:
             self._restore_attention()
             self._restore_attention = None
-        self.cache = self._forward = self._context = None
+        # the latest cache stays readable (``report``); a context waits for no further question
+        self._forward = self._context = self._document = None
         self._replaying = False
         _ACTIVE_MODELS.discard(self.model)
 
@@ -142,7 +148,11 @@ class CompressionSession:
         is the most any reconstruction gave it). Chunks are cut from the context's end, so the first may be
         shorter and each sequence of a left-padded batch is cut where it would be alone; a fractional budget is a
         fraction of the whole context.
+
+        A session holds one context: a second ``prefill`` starts a new one and drops the previous.
         """
+        self._check_attached("prefill")
+        self._document = None
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                        or chunk_size < 1):
@@ -180,6 +190,7 @@ class CompressionSession:
         cache owns its state), so every question sees the same compressed context and no other question.
         Finished sequences are padded with their end token.
         """
+        self._check_attached("generate")
         if self._context is None:
             raise RuntimeError("kvcompress: call session.prefill(context_ids) before session.generate(question_ids)")
         if max_new_tokens < 1:
@@ -200,6 +211,38 @@ class CompressionSession:
             self._evicting = True
         return sequences[:, input_ids.shape[1]:]
 
+    def prefill_text(self, document: str, chunk_size: int | None = None) -> DynamicCache:
+        """``prefill`` for a document given as text: the session's tokenizer renders it in the model's chat template,
+        cut where the document ends (``kvcompress.chat``), so that questions asked with ``ask`` continue the same
+        user turn exactly as if the whole prompt had been tokenised at once. Returns the compressed cache."""
+        if self.tokenizer is None:
+            raise ValueError("kvcompress: session.prefill_text needs a tokenizer: compress(model, ..., tokenizer=...)")
+        rendered = document_prompt(self.tokenizer, document)
+        ids = torch.tensor([rendered.head_ids(self.tokenizer)], device=self.model.device)
+        cache = self.prefill(ids, chunk_size=chunk_size)
+        self._document = rendered
+        return cache
+
+    def ask(self, question: str, max_new_tokens: int = 64) -> str:
+        """The greedy answer, as text, to ``question`` about the document given to ``prefill_text``: the question
+        closes the document's user turn and the assistant answers, on a copy of the compressed document."""
+        if self._document is None:
+            raise RuntimeError("kvcompress: call session.prefill_text(document) before session.ask(question)")
+        ids = torch.tensor([self._document.question_ids(self.tokenizer, question)], device=self.model.device)
+        answer = self.generate(ids, max_new_tokens=max_new_tokens)[0]
+        return self.tokenizer.decode(answer, skip_special_tokens=True).strip()
+
+    def report(self) -> CacheReport:
+        """What the latest cache holds against the full cache for the tokens it has seen, and the session's
+        timings; readable during and after the ``with`` block."""
+        if self.cache is None:
+            raise RuntimeError("kvcompress: the session has run no forward yet; nothing to report")
+        return cache_report(self.cache, dict(self.timings))
+
+    def _check_attached(self, name: str) -> None:
+        if not self._handles:
+            raise RuntimeError(f"kvcompress: session.{name} runs inside the `with` block that attaches the session")
+
     @property
     def parameters(self) -> KVCacheCompressionParameters:
         """The parameters in force (a fractional budget's are those of the current sequence's prompt)."""
@@ -216,6 +259,18 @@ class CompressionSession:
             return {}
         return {index: self.cache.layers[index].state for index in self.compressed_layers
                 if index < len(self.cache.layers) and getattr(self.cache.layers[index], "state", None) is not None}
+
+    # ------------------------------------------------------------------ the model's forward, timed
+    def _start_clock(self, module: nn.Module, args: tuple) -> None:
+        self._clock = time.perf_counter()
+
+    def _stop_clock(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if self._clock is not None and tokens is not None:
+            self.timings["prefill" if tokens.shape[1] > 1 else "decode"] += time.perf_counter() - self._clock
+        self._clock = None
 
     # ------------------------------------------------------------------ decoder hooks
     def _before_decoder(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -261,13 +316,11 @@ class CompressionSession:
         device = tokens.device
         mask = kwargs.get("attention_mask")
         new_valid = new_token_validity(mask, batch, length, seen, device)
-        if seen == 0:
+        if seen == 0:  # the scorer reads the method's own fields, which a fraction's parameters share
             self.evictions = 0
-            previous = self.parameters
-            params = self.budget.start_sequence(new_valid, self.compressed_layers)
-            if params != previous:
-                self.scorer = params.scorer(params)
-                self.scorer.bind(self.model, self.tokenizer)
+            self.budget.start_sequence(new_valid, self.compressed_layers)
+        elif self._evicting and not replay:
+            self.budget.follow(mask, batch, length, seen, dict(zip(self.compressed_layers, states)), device)
         given = kwargs.get("position_ids")
         # without position ids transformers numbers the new tokens after the cache's true length, as we do
         true_positions = given.expand(batch, -1) if given is not None else (

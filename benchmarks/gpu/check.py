@@ -159,7 +159,7 @@ def folded_decode_checks(device: str) -> list[dict]:
 
 def method_checks(device: str, plan: list[tuple[str, int, str]], deadline: float) -> list[dict]:
     rows = []
-    variants = [(m, m, {}) for m in kvcompress.method_names() if m != "none"]
+    variants = [(m, m, {}) for m in kvcompress.method_names()]
     variants.append(("kvzip-global", "kvzip", {"budget_allocation": "global"}))
     for shape, length, dtype_name in plan:
         model = random_model(shape, device, getattr(torch, dtype_name))

@@ -69,9 +69,10 @@ def evict(layers: list[tuple[nn.Module, CompressedLayer]], scorer: Scorer, plan:
         live = slot_rows.sum(-1)
     value_norms = rows([state.value_norms for state in states], 0.0) if states[0].value_norms is not None else None
     units = torch.cat([plan.scored_units(state) for state in states])
+    windows = plan.window_rows(units.shape[0])  # each sequence's own windows (a fraction's), else None
     if allocate and not adaptive:  # only the sequences that evict now take their share, as each would alone
         totals = units.view(len(layers), batch).sum(0)  # per sequence, what the layers hold together
-        shares = global_scored_units(scores, slot_rows, parameters, totals)
+        shares = global_scored_units(scores, slot_rows, parameters, totals, windows)
         units = torch.where(plan.over_budget(live, units, slack), shares, units)
         for number, state in enumerate(states):
             state.scored_units = units[number * batch : (number + 1) * batch]
@@ -90,15 +91,15 @@ def evict(layers: list[tuple[nn.Module, CompressedLayer]], scorer: Scorer, plan:
                                     for number, state in enumerate(states)]).reshape(-1)
         else:  # the heads of a (layer, sequence), or of every layer, share the scored areas by score
             layers_compete = len(layers) if allocate else 1
-            head_units = adaptive_scored_units(scores, head_rows, parameters, units, layers_compete)
+            head_units = adaptive_scored_units(scores, head_rows, parameters, units, layers_compete, windows)
             head_units = torch.where(over[:, None], head_units, units[:, None]).reshape(-1)  # others: uniform
             for number, state in enumerate(states):
                 state.head_units = head_units.view(len(layers), batch, heads)[number]
         keep = select_keep_mask(scores.reshape(-1, 1, width), head_rows.reshape(-1, width), parameters, None,
-                                head_units)
+                                head_units, None if windows is None else windows.per_head(heads))
         keep = torch.where(over[:, None, None], keep.view(-1, heads, width), head_rows)
     else:
-        keep = select_keep_mask(scores, slot_rows, parameters, value_norms, units)
+        keep = select_keep_mask(scores, slot_rows, parameters, value_norms, units, windows)
         # Each sequence evicts on its own schedule (as it would alone); padding only makes the batch wider.
         keep = torch.where(over[:, None], keep, slot_rows)
     timings["selection"] = timings.get("selection", 0.0) + time.perf_counter() - started

@@ -19,21 +19,41 @@ from .criticalkv import criticalkv_select
 from .kvcrush import kvcrush_select
 
 
+@dataclasses.dataclass(frozen=True)
+class SequenceWindows:
+    """Each sequence's own windows (B,) in slots, where a fractional budget sizes them by the sequence's length."""
+
+    start: torch.Tensor
+    recent: torch.Tensor
+    fewest: int  # the smallest start + recent, known on the host
+
+    def rows(self, count: int) -> "SequenceWindows":
+        """The windows of ``count`` rows stacked layer-major (row = l·B + b)."""
+        repeats = count // self.start.shape[0]
+        return SequenceWindows(self.start.repeat(repeats), self.recent.repeat(repeats), self.fewest)
+
+    def per_head(self, heads: int) -> "SequenceWindows":
+        """The windows of rows split into ``heads`` head rows each (row = r·H + h)."""
+        return SequenceWindows(self.start.repeat_interleave(heads), self.recent.repeat_interleave(heads), self.fewest)
+
+
 def select_keep_mask(
     head_scores: torch.Tensor,
     slot_valid: torch.Tensor,
     params: KVCacheCompressionParameters,
     value_norms: torch.Tensor | None = None,
     scored_units: torch.Tensor | None = None,
+    windows: SequenceWindows | None = None,
 ) -> torch.Tensor:
     """Slots to keep (B, T) bool, from per-KV-head eviction scores (B, H, T) and the live-slot mask (B, T).
 
     A sequence whose live tokens fit in the budget keeps all of them; otherwise it keeps exactly its start
     window, ``intermediate_size`` slots (``intermediate_size / group_size`` pages; per row ``scored_units``
     (B,) units where rows have budgets of their own) and its recent window; with ``score_threshold`` the scored
-    part keeps only the units at or above it, at most that many. Dead slots (padding) are never kept.
+    part keeps only the units at or above it, at most that many. Dead slots (padding) are never kept. ``windows``:
+    each row's own start and recent windows (a fractional budget's), else the parameters'.
     """
-    units = _units(head_scores, slot_valid, params, params.score_threshold)
+    units = _units(head_scores, slot_valid, params, params.score_threshold, windows)
     if scored_units is None:
         scored_units = torch.full_like(units.candidates[:, 0], params.intermediate_size // params.unit_size,
                                        dtype=torch.long)
@@ -44,7 +64,8 @@ def select_keep_mask(
 
 
 def global_scored_units(
-    head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters, totals: torch.Tensor
+    head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters, totals: torch.Tensor,
+    windows: SequenceWindows | None = None,
 ) -> torch.Tensor:
     """Scored units per row when the layers share one budget (rows stacked layer-major: row = l·B + b).
 
@@ -53,7 +74,7 @@ def global_scored_units(
     everywhere keep much and layers that attend narrowly keep little. Ties go to the earlier layer and unit.
     Returns (L·B,) int64.
     """
-    units = _units(head_scores, slot_valid, params)
+    units = _units(head_scores, slot_valid, params, windows=windows)
     batch, count = totals.shape[0], units.candidates.shape[-1]
     layers = head_scores.shape[0] // batch
 
@@ -68,6 +89,7 @@ def adaptive_scored_units(
     head_scores: torch.Tensor, head_valid: torch.Tensor, params: KVCacheCompressionParameters,
     scored_units: torch.Tensor,
     layers: int = 1,
+    windows: SequenceWindows | None = None,
 ) -> torch.Tensor:
     """Scored units per KV head (R, H) when KV heads share the scored areas (AdaKV's "floor, then compete"), from
     per-KV-head scores and live slots (R, H, T) (a folded layer's heads hold different slots).
@@ -83,7 +105,7 @@ def adaptive_scored_units(
     """
     rows, heads, total = head_scores.shape
     units = _units(head_scores.reshape(rows * heads, 1, total), head_valid.reshape(rows * heads, total), params,
-                   params.score_threshold)
+                   params.score_threshold, None if windows is None else windows.per_head(heads))
     count = units.candidates.shape[-1]
     floor = torch.floor(params.adaptive_floor * scored_units.double()).long()
     safe = _top_k_mask(units.scores, units.candidates, floor.repeat_interleave(heads))
@@ -111,21 +133,25 @@ class _Units:
 
 
 def _units(head_scores: torch.Tensor, slot_valid: torch.Tensor, params: KVCacheCompressionParameters,
-           threshold: float | None = None) -> _Units:
+           threshold: float | None = None, windows: SequenceWindows | None = None) -> _Units:
     """The rows' units; with a ``threshold`` only the units whose best head scores at least that much per slot are
-    candidates (``score_threshold``: the others leave whatever the budget)."""
+    candidates (``score_threshold``: the others leave whatever the budget). ``windows``: each row's own (B,)."""
     unit = params.unit_size
-    start, recent_units = params.start_size, params.recent_size // unit
     batch, _, total = head_scores.shape
+    if windows is None:
+        start = torch.full((batch, 1), params.start_size, dtype=torch.long, device=head_scores.device)
+        recent_units = torch.full((batch,), params.recent_size // unit, dtype=torch.long, device=head_scores.device)
+    else:
+        start, recent_units = windows.start[:, None], windows.recent // unit
     rank = slot_valid.long().cumsum(-1) - 1
     live = slot_valid.sum(-1)
     unit_of_slot = torch.div(rank - start, unit, rounding_mode="floor")
-    num_units = torch.div(live - start + unit - 1, unit, rounding_mode="floor").clamp(min=0)
+    num_units = torch.div(live - start[:, 0] + unit - 1, unit, rounding_mode="floor").clamp(min=0)
     max_units = -(-total // unit)
     in_units = slot_valid & (rank >= start)
     # A partial trailing page is never a candidate, even with recent_size 0: only complete pages are evicted.
-    partial = ((live - start).clamp(min=0) % unit != 0).long()
-    recent_units = torch.clamp(partial, min=recent_units)
+    partial = ((live - start[:, 0]).clamp(min=0) % unit != 0).long()
+    recent_units = torch.maximum(partial, recent_units)
     recent = in_units & (unit_of_slot >= (num_units - recent_units)[:, None])
     protected = slot_valid & ((rank < start) | recent)
 

@@ -18,7 +18,8 @@ def test_defaults_are_the_kvzip_preset_at_20_percent():
     assert params == preset("kvzip", 400) and params.budget_allocation == "global_adaptive"
 
 
-@pytest.mark.parametrize("budget, expected", [("400", 400), ("10%", 100), ("100%", 1000), ("0.5%", 5)])
+@pytest.mark.parametrize("budget, expected", [("400", 400), ("10%", 100), ("100%", 1000), ("0.5%", 5), ("0.1", 100),
+                                              ("1.0", 1000)])
 def test_budget_is_slots_or_percentage(budget, expected):
     assert params_for("--budget", budget, "--method", "h2o").max_cache_size == expected
 
@@ -39,8 +40,8 @@ def test_config_file(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["demo", "--budget", "0"], "--budget: expected a positive number of slots"),
-    (["demo", "--budget", "150%"], "percentage of the prompt in (0, 100]"),
+    (["demo", "--budget", "0"], "--budget: budget must be a number of slots"),
+    (["demo", "--budget", "150%"], "or a fraction of the sequence in (0, 1] (0.2 or '20%'), got '150%'"),
     (["demo", "--method", "streaming"], "choose from 'snapkv', 'h2o', 'kvzip'"),
     (["demo", "--score-aggregation", "mean"], "choose from 'sum', 'norm_sum'"),
     (["demo", "--start-size", "4"], "all three of --start-size, --intermediate-size, --recent-size"),

@@ -62,3 +62,19 @@ def test_threshold_example_keeps_less_than_its_budget():
     namespace = {"kvcompress": __import__("kvcompress"), "model": model, "tokenizer": tokenizer, "inputs": inputs}
     exec(compile(code, str(USAGE), "exec"), namespace)
     assert 0 < namespace["kept"] < 0.5  # the budget (half the prompt) is a cap the threshold stays under
+
+
+@pytest.mark.slow
+def test_document_once_questions_after_runs(capsys):
+    code = _readme_code("**Compress a document once", ("max_new_tokens=64", "max_new_tokens=12"))
+    from kvcompress.models import load_default_model
+
+    model, tokenizer = load_default_model()
+    document = ("The annual report was written by Ada Lund. " + "Sales grew steadily across the region. " * 40
+                + "The new battery factory will be built in Trondheim. " + "Costs were kept under control. " * 40)
+    namespace = {"kvcompress": __import__("kvcompress"), "model": model, "tokenizer": tokenizer,
+                 "long_text": document}
+    exec(compile(code, str(README), "exec"), namespace)
+    answers = capsys.readouterr().out.strip().splitlines()
+    assert len(answers) == 2 and all(answers), answers
+    assert "Trondheim" in answers[1], answers

@@ -51,12 +51,15 @@ def test_eviction_keeps_each_heads_highest_predicted_scores():
     reference = kvzap_reference_scores(model, ids)
     with KVCacheCompressor(params)(model) as session, torch.no_grad():
         model(ids, use_cache=True)
+    assert len(session.layers) == model.config.num_hidden_layers  # the layers stay readable after the block
     for index, state in session.layers.items():
         for head in range(reference[index].shape[0]):
             kept = set(state.true_positions[0, head].tolist())
-            middle = reference[index][head, 4 : PROMPT - 8]
-            expected = {4 + position for position in middle.topk(16).indices.tolist()}
-            assert kept == set(range(4)) | expected | set(range(PROMPT - 8, PROMPT))
+            windows = set(range(4)) | set(range(PROMPT - 8, PROMPT))
+            chosen, left = sorted(kept - windows), sorted(set(range(4, PROMPT - 8)) - kept)
+            assert windows <= kept and len(chosen) == 16
+            # a repeated token scores exactly alike (KVzap reads the token's hidden state): ties go either way
+            assert reference[index][head, chosen].min() >= reference[index][head, left].max() - 1e-6
 
 
 def test_weight_files_that_do_not_fit_are_refused(tmp_path):

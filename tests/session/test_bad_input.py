@@ -1,9 +1,11 @@
 """Inputs at the edges: tiny or empty prompts, areas of size zero."""
 
+import re
+
 import pytest
 import torch
 
-from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
+from kvcompress import KVCacheCompressionParameters, KVCacheCompressor, compress
 from tiny_models import random_tokens, tiny_model
 
 
@@ -55,3 +57,11 @@ def test_mask_of_the_wrong_length_is_refused():
             cache = model(random_tokens(60), use_cache=True).past_key_values
             with pytest.raises(ValueError, match="attention_mask covers 5 tokens"):
                 model(random_tokens(1), cache=cache, attention_mask=torch.ones(1, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("budget", [300, 0.2])
+def test_a_misspelt_override_of_compress_names_the_closest_parameter(budget):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=re.escape("unknown compression parameter 'windw_size' (did you mean "
+                                                   "'window_size'?); accepted: ")):
+        compress(model, method="snapkv", budget=budget, windw_size=8)

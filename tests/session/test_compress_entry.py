@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvcompress import compress, method_names, preset
-from kvcompress.presets import STREAMING_LLM_SINKS
+from kvcompress.presets import STREAMING_LLM, STREAMING_LLM_SINKS
+from kvcompress.scoring.registry import SCORERS
 from tiny_models import TinyTokenizer, random_kvzap_weights, random_tokens, tiny_model
 
 
@@ -31,13 +32,23 @@ def test_fraction_is_applied_to_each_prompt_of_a_batch():
         assert session.layers[0].live.tolist() == [24]
 
 
-@pytest.mark.parametrize("method", [m for m in method_names() if m != "none"])
+def test_method_names_are_exactly_what_compress_takes():
+    assert method_names() == [STREAMING_LLM, *SCORERS]
+    assert "none" not in method_names()
+    with pytest.raises(ValueError, match="method='none' keeps the full cache"):
+        compress(tiny_model("llama"), method="none", budget=32)
+    assert preset("none", 32) is None  # the runners' full cache
+
+
+@pytest.mark.parametrize("method", method_names())
 def test_every_method_runs_from_its_name(method):
     model = tiny_model("llama")
     overrides = {"scorer_options": {"weights": str(random_kvzap_weights())}} if method == "kvzap" else {}
     with compress(model, method=method, budget=0.25, tokenizer=TinyTokenizer(), **overrides) as session:
         model.generate(random_tokens(96), max_new_tokens=4, do_sample=False)
-    assert sum(state.length for state in session.layers.values()) <= 2 * (24 + session.parameters.decode_slack)
+    # the session's layers stay readable after the block; a folded (head-wise) layer holds a slot per head and token
+    per_head = [state.length / (state.folded_heads or 1) for state in session.layers.values()]
+    assert len(per_head) == 2 and sum(per_head) <= 2 * (24 + session.parameters.decode_slack)
 
 
 def test_streaming_llm_keeps_sinks_and_recent_and_bad_budgets_name_the_parameter():

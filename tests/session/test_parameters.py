@@ -1,10 +1,12 @@
 """Every invalid parameter value raises an error that names the field (table-driven over the dataclass)."""
 
 import dataclasses
+import re
+import warnings
 
 import pytest
 
-from kvcompress import KVCacheCompressionParameters
+from kvcompress import KVCacheCompressionParameters, preset
 
 INVALID = [
     ({"method": "pyramid"}, ValueError, "method"),
@@ -128,3 +130,47 @@ def test_from_budget_splits_and_validates():
     assert grouped.start_size % 32 == 0 and grouped.recent_size % 32 == 0 and grouped.max_cache_size == 512
     with pytest.raises(ValueError, match="budget"):
         KVCacheCompressionParameters.from_budget(0)
+
+
+MISSPELT = {
+    "constructor": lambda: KVCacheCompressionParameters(windw_size=8),
+    "from_dict": lambda: KVCacheCompressionParameters.from_dict({"windw_size": 8}),
+    "from_budget": lambda: KVCacheCompressionParameters.from_budget(300, windw_size=8),
+    "preset": lambda: preset("snapkv", 300, windw_size=8),
+    "streaming_llm preset": lambda: preset("streaming_llm", 300, windw_size=8),
+    "replace": lambda: dataclasses.replace(KVCacheCompressionParameters(), windw_size=8),
+}
+
+
+@pytest.mark.parametrize("build", MISSPELT.values(), ids=MISSPELT.keys())
+def test_a_misspelt_keyword_names_the_closest_parameter_and_the_accepted_ones(build):
+    with pytest.raises(ValueError, match=re.escape("unknown compression parameter 'windw_size' (did you mean "
+                                                   "'window_size'?); accepted: adaptive_floor, ")) as error:
+        build()
+    accepted = str(error.value).split("accepted: ")[1].split(", ")
+    assert accepted == sorted(field.name for field in dataclasses.fields(KVCacheCompressionParameters))
+
+
+def test_every_unknown_key_is_named_and_one_far_from_any_parameter_gets_no_guess():
+    with pytest.raises(ValueError, match=re.escape(
+            "unknown compression parameters 'strat_size' (did you mean 'start_size'?), 'colour'; accepted: ")):
+        KVCacheCompressionParameters.from_dict({"strat_size": 4, "colour": "red"})
+    with pytest.raises(ValueError, match="unknown compression parameter 1; accepted: "):
+        KVCacheCompressionParameters.from_dict({1: 2})  # a YAML key that is no string
+
+
+def test_the_constructor_takes_the_old_name_algorithm_with_a_warning_at_the_callers_line():
+    with pytest.warns(FutureWarning, match="algorithm is deprecated: write method: 'h2o'") as record:
+        params = KVCacheCompressionParameters(algorithm="h2o")
+    assert params == KVCacheCompressionParameters(method="h2o")
+    assert [warning.filename for warning in record] == [__file__]  # the line to update, not kvcompress's
+    with pytest.warns(FutureWarning, match="algorithm is deprecated"):
+        assert KVCacheCompressionParameters.from_budget(64, algorithm="tova").method == "tova"
+    with pytest.warns(FutureWarning, match="algorithm is deprecated"):
+        assert KVCacheCompressionParameters(algorithm="snapkv", method="snapkv").method == "snapkv"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the contradiction is refused before any warning
+        with pytest.raises(ValueError, match="algorithm: 'h2o' contradicts method 'snapkv'"):
+            KVCacheCompressionParameters(algorithm="h2o", method="snapkv")
+    with pytest.warns(FutureWarning, match="read .method"):
+        assert params.algorithm == "h2o"
