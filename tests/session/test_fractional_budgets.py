@@ -28,15 +28,18 @@ def _options(method: str) -> dict:
 
 
 
-@pytest.mark.parametrize("method", method_names())
-def test_a_fraction_follows_the_conversation(method):
+@pytest.mark.parametrize("method, overrides", [(method, {}) for method in method_names()] + [
+    ("snapkv", {"budget_allocation": "global"}), ("h2o", {"budget_allocation": "pyramid"}),
+    ("snapkv", {"strategy": "per_group", "group_size": 4})])
+def test_a_fraction_follows_the_conversation(method, overrides):
     """Before, the first turn fixed the budget: the kept share fell as the chat grew (0.254 to 0.061 over 30 turns
-    of the default model). Every turn now compresses to the fraction of the whole conversation."""
+    of the default model). Every turn now compresses to the fraction of the whole conversation; layers that share
+    the budget by score (``"global"``) carry their shares into the next turn's allocation."""
     model = tiny_model("llama")
     shares = []
     sequence, cache = torch.zeros(1, 0, dtype=torch.long), None
-    with compress(model, method=method, budget=FRACTION, tokenizer=TinyTokenizer(), **_options(method)) as session, \
-            torch.no_grad():
+    with compress(model, method=method, budget=FRACTION, tokenizer=TinyTokenizer(), **_options(method),
+                  **overrides) as session, torch.no_grad():
         for turn, tokens in enumerate(TURN_TOKENS):
             sequence = torch.cat([sequence, random_tokens(tokens, seed=40 + turn)], dim=-1)
             out = model.generate(sequence, attention_mask=torch.ones_like(sequence), cache=cache,
@@ -45,12 +48,14 @@ def test_a_fraction_follows_the_conversation(method):
             sequence, cache = out.sequences, out.cache
             shares.append(kept_fraction(cache))
             seen = sequence.shape[-1] - 1  # the last token is returned, not fed
-            if session.parameters.budget_allocation == "uniform" and session.parameters.intermediate_size:
+            if not overrides and session.parameters.budget_allocation == "uniform":
                 # the layer holds the fraction of what it has seen, at most a decode slack over it
                 live = int(session.layers[0].live[0])
                 assert budget_slots(FRACTION, seen) <= live <= budget_slots(FRACTION, seen) + \
                     session.parameters.decode_slack + 1, (turn, live, seen)
-    assert min(shares) >= FRACTION - 0.01, shares
+    # pages: a budget rounded down to whole pages, and a page less while decoding evicts page by page
+    pages = 2 * overrides.get("group_size", 0) / TURN_TOKENS[0]
+    assert min(shares) >= FRACTION - 0.01 - pages, shares
 
 
 @pytest.mark.parametrize("method", method_names())
@@ -123,3 +128,24 @@ def test_whole_fraction_keeps_every_prompt_token():
     with compress(model, method="snapkv", budget="100%") as session, torch.no_grad():
         model(random_tokens(90), use_cache=True)
         assert session.layers[0].live.tolist() == [90]
+
+
+def test_layers_sharing_a_fraction_carry_their_shares_into_the_next_turn():
+    """With ``budget_allocation="global"`` a new turn grows every layer's share by the same amount, so the layers
+    hold the new total together and the turn's allocation shares it out again by score. Before, every layer went
+    back to the uniform area: a layer with a small share then held fewer slots than its new area and took no part
+    in the allocation, and the chat kept less than its fraction (KVzap on the default model: 0.172 at 30 turns)."""
+    from kvcompress.budget import BudgetPlan, FractionalBudget
+    from kvcompress.state import LayerState
+
+    fraction = FractionalBudget.of(FRACTION, lambda slots: preset("snapkv", slots, budget_allocation="global"))
+    plan = BudgetPlan(fraction.parameters_for(1024), fraction)
+    plan.start_sequence(torch.ones(1, 400, dtype=torch.bool), [0, 1])
+    states = {index: LayerState.empty(1, 2, torch.device("cpu")) for index in (0, 1)}
+    for index, state in states.items():
+        plan.start_layer(state, index)
+    uniform = int(states[0].scored_units)  # 80 slots: windows 10 + 20, 50 scored
+    states[0].scored_units, states[1].scored_units = torch.tensor([10]), torch.tensor([2 * uniform - 10])
+    plan.follow(None, 1, 100, 400, states, torch.device("cpu"))  # 100 more tokens: 100 slots, 12 + 25 windows
+    growth = plan.parameters.intermediate_size - uniform
+    assert [int(state.scored_units) for state in states.values()] == [10 + growth, 2 * uniform - 10 + growth]
