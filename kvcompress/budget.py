@@ -128,27 +128,35 @@ class BudgetPlan:
         """A fractional budget follows a sequence that goes on (``length`` new tokens after a cache of ``seen``,
         padding included; ``mask`` the forward's 2-D attention mask, or None): resolved again on the real tokens
         seen so far at every prompt forward (a chat's next turn; the chunks of one prompt keep the whole prompt's
-        budget) and, with budgets fixed before any score (``"uniform"``, ``"pyramid"``) and
-        ``compress_during_decoding``, at decode steps; the layers then take their new areas. Budgets that scores
-        shared out (``"global"``, head-wise) keep the last prompt's shares while decoding."""
-        params = self.parameters
+        budget) and, with ``compress_during_decoding``, at decode steps.
+
+        Every layer's area then grows by the growth of the sequence's area: the shares a scored allocation gave
+        the layers (``"global"``) or their heads (``head_units``) grow alike, so the layers hold the new total
+        together and a prompt's allocation shares it out again by score; PyramidKV's schedule is laid anew."""
         if self.fraction is None or self.whole_prompt is not None:
             return
         if length == 1:
-            if (self._resolved is None or not params.compress_during_decoding
-                    or params.budget_allocation not in ("uniform", "pyramid")):
+            if self._resolved is None or not self.parameters.compress_during_decoding:
                 return
             tokens, at, _ = self._resolved
             tokens = [count + seen + 1 - at for count in tokens]
         else:
             tokens = mask.sum(-1).tolist() if mask is not None else [seen + length] * batch
+        previous = self.sequence_units
         base = self._resolve(tokens, seen + length, device)
         if base is None:
             return
         self.sequence_units = self._initial_units(base, batch, device, list(states))
         for index, state in states.items():
-            if state is not None:
+            if state is None:
+                continue
+            if self.parameters.budget_allocation == "pyramid" or state.scored_units is None or index not in previous:
                 self.start_layer(state, index)
+                continue
+            growth = base[0] - previous[index][0]
+            state.set_scored_units((state.scored_units + growth).clamp(min=0))
+            if state.head_units is not None:
+                state.head_units = (state.head_units + growth[:, None]).clamp(min=0)
 
     def _resolve(self, tokens: list[int], cache_length: int,
                  device: torch.device) -> tuple[torch.Tensor, int] | None:
