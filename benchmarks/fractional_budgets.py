@@ -15,6 +15,8 @@ it gives alone, token for token.
     python benchmarks/fractional_budgets.py chat --methods full kvzip kvzap snapkv --out results/fractional_budgets
     python benchmarks/fractional_budgets.py batch --methods snapkv tova expected_attention kvzip kvzap \
         --out results/fractional_budgets
+
+Each writes MODE.jsonl (a line per turn or row) and MODE.md (its table) into the ``--out`` folder.
 """
 
 from __future__ import annotations
@@ -150,13 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--batch-tokens", type=int, nargs="+", default=[420, 270])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, required=True, help="writes OUT_MODE.jsonl and OUT_MODE.md")
+    parser.add_argument("--out", type=Path, required=True, help="a folder: writes MODE.jsonl and MODE.md there")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("default", dtype=torch.float32)
     run = chat if args.mode == "chat" else batch
     rows = [row for method in args.methods for row in run(model, tokenizer, method, args.budget, args)]
-    stem = args.out.parent / f"{args.out.name}_{args.mode}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / args.mode
     stem.with_suffix(".jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     write_report(stem.with_suffix(".md"), rows, "python benchmarks/fractional_budgets.py " + shlex.join(argv or
                                                                                                         sys.argv[1:]))
