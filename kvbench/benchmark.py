@@ -91,8 +91,18 @@ class Benchmark(abc.ABC):
         """The task's official score from its prediction lines (a number, or a mapping of length buckets)."""
 
     def sample_scores(self, options: Any, task: str, lines: Sequence[Mapping[str, Any]]) -> list[float] | None:
-        """Each line's score in [0, 1], when the benchmark's metric is per sample; None otherwise."""
+        """Each line's score in [0, 1], when the benchmark's metric is per sample and the task's score is 100 ×
+        their mean (rounded as the official evaluator rounds it); None otherwise."""
         return None
+
+    def unrounded_score(self, options: Any, task: str, lines: Sequence[Mapping[str, Any]]) -> Any:
+        """The task's score before the official rounding: averages are taken of these, since a mean of rounded
+        scores drifts (66.67 and 100 average to 83.34 where 5 of 6 samples is 83.33). By default 100 × the mean
+        of ``sample_scores``; a benchmark without them gets its official ``score`` back unless it overrides this."""
+        per_sample = self.sample_scores(options, task, lines)
+        if per_sample is None:
+            return self.score(options, task, lines)
+        return 100 * sum(per_sample) / len(per_sample)
 
     def write_official_results(self, setting_dir: Path, scores: Mapping[str, Any]) -> None:
         """Writes the score files the benchmark's own tools write, if any."""

@@ -17,8 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 def evaluate_setting(experiment: Experiment, setting: CompressionSetting) -> SettingResult:
-    """The setting's scores per task (tasks without predictions are left out), sample counts, per-sample scores
-    where the metric has them, and the KV bytes its lines recorded."""
+    """The setting's official and unrounded scores per task (tasks without predictions are left out), sample
+    counts, per-sample scores where the metric has them, and the KV bytes each line recorded."""
     benchmark = experiment.benchmark
     layout = OutputLayout(experiment.output_dir, benchmark)
     result = SettingResult(setting)
@@ -28,20 +28,21 @@ def evaluate_setting(experiment: Experiment, setting: CompressionSetting) -> Set
         if not lines:
             continue
         result.scores[task] = benchmark.score(experiment.options, task, lines)
+        result.unrounded_scores[task] = benchmark.unrounded_score(experiment.options, task, lines)
         result.samples[task] = len(lines)
         per_sample = benchmark.sample_scores(experiment.options, task, lines)
         if per_sample is not None:
             result.sample_scores[task] = dict(zip((line["_id"] for line in lines), per_sample, strict=True))
-        measured = [line for line in lines if "kv_bytes" in line]
-        result.kv_bytes += sum(line["kv_bytes"] for line in measured)
-        result.full_kv_bytes += sum(line["full_kv_bytes"] for line in measured)
+        measured = {line["_id"]: (line["kv_bytes"], line["full_kv_bytes"]) for line in lines if "kv_bytes" in line}
+        if measured:
+            result.sample_bytes[task] = measured
     if result.scores:
         benchmark.write_official_results(layout.setting_dir(setting.name), result.scores)
     return result
 
 
 def evaluate_experiment(experiment: Experiment, settings: Sequence[CompressionSetting]) -> dict[str, Any]:
-    """Scores every setting that has predictions and writes ``scores.json/.csv/.md/.png`` for them."""
+    """Scores every setting that has predictions and writes the reports (``kvbench.report``) for them."""
     evaluated = []
     for setting in settings:
         result = evaluate_setting(experiment, setting)

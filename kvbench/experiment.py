@@ -5,13 +5,15 @@ Everything is validated before a model is loaded: a typo in a key or a wrong val
 key's path (``compression[2].budgets[0]``) and the allowed values, instead of after an hour of generation.
 Relative paths (``output_dir`` and the benchmark's data paths) are resolved against the config file's folder, so a
 config runs the same from any working directory; ``model.path`` keeps Hugging Face semantics (a local folder or a
-Hub id). The keys shared by every benchmark are parsed here; ``benchmark`` (default ``longbench``) names the
-module that parses the rest (``tasks``, ``data``, ...).
+Hub id), and ``run`` / ``predict`` check that it can be loaded before any record is read or made
+(``check_model_path``). The keys shared by every benchmark are parsed here; ``benchmark`` (default ``longbench``)
+names the module that parses the rest (``tasks``, ``data``, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -21,10 +23,12 @@ import yaml
 
 from .benchmark import BENCHMARKS, Benchmark, get_benchmark
 from .config import (
+    DEFAULT_MODEL,
     ConfigError,
     check_boolean,
     check_integer,
     check_mapping,
+    check_model_path,
     check_name,
     check_string,
     no_unknown_keys,
@@ -32,13 +36,12 @@ from .config import (
 )
 
 __all__ = [
-    "ConfigError", "ModelSpec", "CompressionSetting", "Experiment", "load_experiment", "parse_experiment",
-    "pipeline_record",
+    "ConfigError", "ModelSpec", "CompressionSetting", "Experiment", "OtherBenchmarkError",
+    "load_experiment", "parse_experiment", "pipeline_record",
 ]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-DEFAULT_MODEL = "default"  # the embedded default model of kvcompress.models (any of model_names() works too)
 DEFAULT_BENCHMARK = "longbench"
 
 
@@ -148,13 +151,26 @@ class Experiment:
 
     def select_tasks(self, names: list[str] | None) -> list[str]:
         """The tasks named on the command line (all when ``names`` is None), in config order: a sweep over the
-        tasks the full cache solves need not predict the others."""
+        tasks the full cache solves need not predict the others. A name is one of the runner's tasks, or a task as
+        the file's ``tasks`` names it where the runner runs it at several lengths (RULER's ``niah_single_1`` is
+        ``niah_single_1_4096``, ...): it selects every length."""
         if names is None:
             return list(self.tasks)
-        unknown = [name for name in names if name not in self.tasks]
+        chosen = {name: [task for task in self.tasks if task == name or _at_a_length(task, name)] for name in names}
+        unknown = [name for name, tasks in chosen.items() if not tasks]
         if unknown:
-            raise ConfigError(f"--tasks: unknown task(s) {unknown}; this experiment has {list(self.tasks)}")
-        return [task for task in self.tasks if task in names]
+            file_names = list(dict.fromkeys(_LENGTH_SUFFIX.sub("", task) for task in self.tasks))
+            at_lengths = "" if file_names == list(self.tasks) else f", or one at a length: {list(self.tasks)}"
+            raise ConfigError(f"--tasks: unknown task(s) {unknown}; this experiment has {file_names}{at_lengths}")
+        selected = {task for tasks in chosen.values() for task in tasks}
+        return [task for task in self.tasks if task in selected]
+
+
+_LENGTH_SUFFIX = re.compile(r"_\d+$")  # a task run at a length is named <task>_<length> (RULER's units)
+
+
+def _at_a_length(task: str, name: str) -> bool:
+    return _LENGTH_SUFFIX.sub("", task) == name and task != name
 
 
 # ---------------------------------------------------------------------------------------------- sections
@@ -298,12 +314,50 @@ _REQUIRED = {
 }
 
 
-def parse_experiment(config: Any, base_dir: Path, default_benchmark: str = DEFAULT_BENCHMARK) -> Experiment:
+class OtherBenchmarkError(ConfigError):
+    """An experiment file of another benchmark than the one asked for; ``benchmark`` names the file's, so that
+    the command line can name the command that runs it."""
+
+    def __init__(self, message: str, benchmark: str) -> None:
+        super().__init__(message)
+        self.benchmark = benchmark
+
+
+def _benchmark(config: Mapping[str, Any], default_benchmark: str, exclusive: bool) -> Benchmark:
+    """The file's benchmark: its ``benchmark`` key, else ``default_benchmark``. A file of another benchmark than
+    an ``exclusive`` caller runs, or one without the key whose keys are another benchmark's, raises
+    ``OtherBenchmarkError``: read as the wrong benchmark it would fail on "unknown key" with no hint."""
+    name = check_string(config.get("benchmark", default_benchmark), "benchmark", tuple(BENCHMARKS))
+    benchmark = get_benchmark(name)
+    if exclusive and name != default_benchmark:
+        expected = get_benchmark(default_benchmark).title
+        raise OtherBenchmarkError(
+            f"benchmark: this is a {benchmark.title} experiment file (benchmark: {name}), not a {expected} one", name
+        )
+    if "benchmark" in config:
+        return benchmark
+    unknown = set(config) - _SHARED - set(benchmark.keys)
+    for other_name in BENCHMARKS:
+        other = get_benchmark(other_name)
+        foreign = sorted(unknown & (set(other.keys) - set(benchmark.keys)))
+        if foreign:
+            raise OtherBenchmarkError(
+                f"{foreign[0]}: not a {benchmark.title} key; without a `benchmark` key this file reads as "
+                f"{benchmark.title}, but its keys {foreign} are {other.title}'s: a {other.title} experiment file",
+                other_name,
+            )
+    return benchmark
+
+
+def parse_experiment(config: Any, base_dir: Path, default_benchmark: str = DEFAULT_BENCHMARK, *,
+                     exclusive: bool = False, check_model: bool = False) -> Experiment:
     """Builds an experiment from the parsed YAML; ``base_dir`` anchors relative paths. ``default_benchmark``
-    applies when the file has no ``benchmark`` key (``kvcompress-ruler run`` passes ``ruler``)."""
+    applies when the file has no ``benchmark`` key; with ``exclusive`` (``kvcompress-longbench``,
+    ``kvcompress-ruler``) a file of another benchmark is refused (``OtherBenchmarkError``). ``check_model`` also
+    checks that ``model.path`` can be loaded (``check_model_path``: a folder, an embedded model, a reachable Hub
+    id), before the sections that import torch: what ``run`` and ``predict`` need, and parsing alone does not."""
     config = check_mapping(config, "the experiment file")
-    benchmark_name = check_string(config.get("benchmark", default_benchmark), "benchmark", tuple(BENCHMARKS))
-    benchmark = get_benchmark(benchmark_name)
+    benchmark = _benchmark(config, default_benchmark, exclusive)
     no_unknown_keys(config, _SHARED | set(benchmark.keys), "")
     for key, message in {**_REQUIRED, **benchmark.keys}.items():
         if key not in config and (key in _REQUIRED or key in benchmark.required):
@@ -313,6 +367,8 @@ def parse_experiment(config: Any, base_dir: Path, default_benchmark: str = DEFAU
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"shard_timeout: must be a positive number of seconds, got {timeout!r}")
     model = _parse_model(config["model"])
+    if check_model:
+        check_model_path(model.path)
     return Experiment(
         benchmark=benchmark,
         options=benchmark.parse_options(config, base_dir, model.path),
@@ -327,14 +383,17 @@ def parse_experiment(config: Any, base_dir: Path, default_benchmark: str = DEFAU
     )
 
 
-def load_experiment(path: str | Path, default_benchmark: str = DEFAULT_BENCHMARK) -> Experiment:
+def load_experiment(path: str | Path, default_benchmark: str = DEFAULT_BENCHMARK, *, exclusive: bool = False,
+                    check_model: bool = False) -> Experiment:
+    """Reads and parses an experiment file (``parse_experiment`` says what the keywords do)."""
     path = Path(path)
     try:
         with path.open(encoding="utf-8") as handle:
             config = yaml.safe_load(handle)
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML ({error})") from None
-    return parse_experiment(config, path.resolve().parent, default_benchmark)
+    return parse_experiment(config, path.resolve().parent, default_benchmark, exclusive=exclusive,
+                            check_model=check_model)
 
 
 def pipeline_record(experiment: Experiment, setting: CompressionSetting, computed_dtype: str,

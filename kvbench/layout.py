@@ -2,7 +2,8 @@
 
 Each setting has a folder with its ``pipeline.json``, its prediction files where the benchmark puts them (LongBench:
 the official ``pred/<task>.jsonl`` and ``pred_e/<task>.jsonl``, so the official ``eval.py`` can be pointed at
-them) and, during a sharded run, one file per rank and task under ``shards/``. The reports sit at the top.
+them) and, during a sharded run, one file per rank and task under ``shards/``. The reports sit at the top, and
+while a run predicts, its lock file (``sharding.RunLock``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class OutputLayout:
     def shard_files(self, setting: str, task: str) -> list[Path]:
         """Every rank's file for the task, whatever world size wrote it, in a fixed order."""
         return sorted(self.shard_dir(setting).glob(f"{task}.rank*.jsonl"))
+
+    def lock_file(self) -> Path:
+        return self.root / "run.lock"
 
     def report_file(self, suffix: str) -> Path:
         return self.root / f"scores{suffix}"

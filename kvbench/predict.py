@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from .generation import generate
 from .layout import OutputLayout
 from .modeling import computed_dtype, load_model
 from .predictions import PredictionWriter, merge, read_predictions
-from .sharding import Shard, wait_for_samples
+from .sharding import RunLock, Shard, wait_for_samples
 
 __all__ = ["generate_prediction", "predict_task", "predict_experiment"]
 
@@ -89,6 +90,9 @@ def predict_task(
     mine = shard.select(records)
     todo = [record for record in mine if record["_id"] not in done]
     rank = f" [rank {shard.rank}/{shard.world_size}]" if shard.world_size > 1 else ""
+    if len(todo) < len(mine):
+        logger.info("%s/%s%s: resuming: %d of %d samples already predicted, %d left", setting.name, task, rank,
+                    len(mine) - len(todo), len(mine), len(todo))
     with PredictionWriter(target) as writer, tqdm(
         total=len(mine), initial=len(mine) - len(todo), desc=f"{setting.name}/{task}{rank}", unit="sample"
     ) as progress:
@@ -98,7 +102,8 @@ def predict_task(
 
 
 def _finalise_task(experiment: Experiment, setting: str, task: str, order: Sequence[str]) -> None:
-    """Rank 0: waits until every sample has a line somewhere, then writes the task's file in data order."""
+    """Rank 0: waits until every sample has a line somewhere, then writes the task's file in data order and
+    removes the merged shard files."""
     layout = OutputLayout(experiment.output_dir, experiment.benchmark)
     keys = experiment.benchmark.line_keys
     final = layout.prediction_file(setting, task)
@@ -138,15 +143,25 @@ def _check_pipeline(experiment: Experiment, setting: CompressionSetting, dtype: 
 def predict_experiment(experiment: Experiment, settings: Sequence[CompressionSetting], shard: Shard,
                        tasks: Sequence[str]) -> None:
     """Predicts every (setting, task) pair on this rank (``Experiment.select_tasks`` picks the tasks); rank 0 then
-    merges all ranks' files."""
-    dtype = computed_dtype(experiment.model, shard)
+    merges all ranks' files. Refuses (``FolderInUseError``) an output folder that another run is using, before
+    anything is read or written there."""
+    with RunLock(OutputLayout(experiment.output_dir, experiment.benchmark).lock_file(), shard):
+        _predict_experiment(experiment, settings, shard, tasks)
+
+
+def _predict_experiment(experiment: Experiment, settings: Sequence[CompressionSetting], shard: Shard,
+                        tasks: Sequence[str]) -> None:
     benchmark = experiment.benchmark
-    records = {}
-    for task in tasks:
+    records = {}  # first: a data source that cannot be read fails before the model's modules are imported
+    for task in tqdm(tasks, desc="records", unit="task"):  # RULER generates a task's on first use (~15-40 s)
+        started = time.monotonic()
         try:
             records[task] = benchmark.load_records(experiment.options, task, experiment.output_dir)[: experiment.limit]
         except benchmark.unavailable as error:
             logger.warning("%s: left out, its records cannot be made (%s)", task, error)
+            continue
+        logger.info("%s: %d records ready in %.1f s", task, len(records[task]), time.monotonic() - started)
+    dtype = computed_dtype(experiment.model, shard)
     seed_everything(experiment.seed)
     model, tokenizer = load_model(experiment.model, shard)
     if experiment.model.chat_template and tokenizer.chat_template is None:
@@ -157,9 +172,17 @@ def predict_experiment(experiment: Experiment, settings: Sequence[CompressionSet
     for setting in settings:  # the model first: a learned scorer's weights are found by its fingerprint
         _check_pipeline(experiment, setting, dtype, model)
     for setting in settings:
+        done = sum(len(_done_ids(experiment, OutputLayout(experiment.output_dir, benchmark), setting.name, task)
+                       & {record["_id"] for record in records[task]}) for task in records)
+        total = sum(len(task_records) for task_records in records.values())
+        logger.info("%s: %d of %d samples predicted, %d left", setting.name, done, total, total - done)
         for task in records:
             predict_task(model, tokenizer, experiment, setting, task, records[task], shard)
     if shard.is_main:
         for setting in settings:
             for task in records:
                 _finalise_task(experiment, setting.name, task, [record["_id"] for record in records[task]])
+            # Every rank is done with the setting's tasks; files left are other tasks' (another `--tasks`).
+            shard_dir = OutputLayout(experiment.output_dir, benchmark).shard_dir(setting.name)
+            if shard_dir.is_dir() and not any(shard_dir.iterdir()):
+                shard_dir.rmdir()

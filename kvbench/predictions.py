@@ -14,7 +14,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 __all__ = ["PredictionError", "PredictionLine", "PredictionWriter", "read_predictions", "merge"]
 
@@ -69,19 +69,27 @@ def read_predictions(
 
 
 class PredictionWriter:
-    """Appends lines to one file, each flushed and fsynced before ``append`` returns."""
+    """Appends lines to one file, each flushed and fsynced before ``append`` returns.
+
+    The file (and its folder) is created by the first line: a rank with nothing left to predict, starting after
+    rank 0 merged and removed the shard files, must not leave an empty one behind.
+    """
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle = path.open("a", encoding="utf-8")
+        self._path = path
+        self._handle: TextIO | None = None
 
     def append(self, line: str) -> None:
+        if self._handle is None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = self._path.open("a", encoding="utf-8")
         self._handle.write(line)
         self._handle.flush()
         os.fsync(self._handle.fileno())
 
     def close(self) -> None:
-        self._handle.close()
+        if self._handle is not None:
+            self._handle.close()
 
     def __enter__(self) -> "PredictionWriter":
         return self

@@ -123,6 +123,9 @@ class LongBench(Benchmark):
     def score(self, options: LongBenchOptions, task: str, lines: Sequence[Mapping[str, Any]]) -> Any:
         return _score_file(task, lines, options.metric_fixes)
 
+    def unrounded_score(self, options: LongBenchOptions, task: str, lines: Sequence[Mapping[str, Any]]) -> Any:
+        return _score_file(task, lines, options.metric_fixes, rounded=False)
+
     def write_official_results(self, setting_dir: Path, scores: Mapping[str, Any]) -> None:
         """eval.py's ``result.json`` in ``pred/`` and ``pred_e/``: base task name -> score (or buckets)."""
         by_folder: dict[Path, dict[str, Any]] = {}
@@ -158,10 +161,12 @@ class LongBench(Benchmark):
         ]
 
 
-def _score_file(task: str, lines: Sequence[Mapping[str, Any]], fixes: Collection[str]) -> float | dict[str, float]:
+def _score_file(task: str, lines: Sequence[Mapping[str, Any]], fixes: Collection[str],
+                rounded: bool = True) -> float | dict[str, float]:
     predictions = [line["pred"] for line in lines]
     answers = [line["answers"] for line in lines]
     all_classes = lines[-1]["all_classes"]  # eval.py keeps the last line's value
     if TASKS[task].is_longbench_e:
-        return scorer_e(task, predictions, answers, [line["length"] for line in lines], all_classes, fixes=fixes)
-    return scorer(task, predictions, answers, all_classes, fixes=fixes)
+        return scorer_e(task, predictions, answers, [line["length"] for line in lines], all_classes, fixes=fixes,
+                        rounded=rounded)
+    return scorer(task, predictions, answers, all_classes, fixes=fixes, rounded=rounded)

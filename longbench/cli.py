@@ -1,4 +1,5 @@
-"""``kvcompress-longbench``: ``kvcompress-eval`` with LongBench as the default benchmark of the experiment file."""
+"""``kvcompress-longbench``: ``kvcompress-eval`` for LongBench experiment files only (``benchmark: longbench``, the
+default of the file's ``benchmark`` key); a RULER file is refused with the command that runs it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    return evaluation_main(argv, prog="kvcompress-longbench", default_benchmark="longbench")
+    return evaluation_main(argv, prog="kvcompress-longbench", benchmark="longbench")
 
 
 if __name__ == "__main__":

@@ -14,17 +14,25 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from kvbench.config import hub_problem
+
 from .tasks import TASKS, Task
 
-__all__ = ["DataError", "DataSource", "load_task", "validate_record", "SCRIPT_DATASETS"]
+__all__ = ["DataError", "DataSource", "SAMPLE_CONFIG", "SCRIPT_DATASETS", "load_task", "validate_record"]
 
 # Hub ids of the official dataset, which is a loading script (LongBench.py) rather than data files.
 SCRIPT_DATASETS = frozenset({"THUDM/LongBench", "zai-org/LongBench"})
+SAMPLE_CONFIG = "configs/longbench/sample-smollm2.yaml"  # the shipped made-up records (configs/data/longbench_sample)
+_ZIP_DOWNLOAD = "huggingface_hub.hf_hub_download('THUDM/LongBench', 'data.zip', repo_type='dataset')"
 _SCRIPT_HINT = (
     "{id} is a dataset loading script (LongBench.py downloading data.zip); datasets>=4 refuses loading scripts "
     "(installed: datasets {version}). Use a parquet mirror instead (data: {{hub: Xnhyacinth/LongBench}}), or download "
-    "the official zip once with huggingface_hub.hf_hub_download('THUDM/LongBench', 'data.zip', "
-    "repo_type='dataset') and set data: {{zip: /path/to/data.zip}}"
+    f"the official zip once with {_ZIP_DOWNLOAD} and set data: {{{{zip: /path/to/data.zip}}}}"
+)
+_NO_HUB_HINT = (
+    "data.hub: {id} {problem}. Without the Hub, read the records from disk: data: {{folder: DIR}} (the official "
+    f"data.zip unpacked, DIR its data/ folder) or data: {{{{zip: /path/to/data.zip}}}} (downloaded once with "
+    f"{_ZIP_DOWNLOAD}); to try the pipeline on the shipped sample records: kvcompress-longbench run {SAMPLE_CONFIG}"
 )
 
 
@@ -170,13 +178,23 @@ def _from_prompt_parts(row: Mapping[str, Any], task: Task, where: str) -> dict[s
 
 
 def _load_hub(dataset_id: str, task: Task) -> list[dict[str, Any]]:
+    """A task's rows from a Hub dataset. A Hub that cannot serve it stops the run at once, naming the local
+    sources, rather than after ``datasets``' 30 s of retries with a ``ConnectionError`` that names none."""
     import datasets
 
     hint = _SCRIPT_HINT.format(id=dataset_id, version=datasets.__version__)
     if dataset_id in SCRIPT_DATASETS:
         raise DataError(hint)
+    if not datasets.config.HF_HUB_OFFLINE:  # offline, datasets reads a copy an earlier run cached, or fails at once
+        problem = hub_problem(dataset_id, "dataset")
+        if problem is not None:
+            problem += " (with HF_HUB_OFFLINE=1 a copy that an earlier run cached is read)"
+            raise DataError(_NO_HUB_HINT.format(id=dataset_id, problem=problem))
     try:
         rows = datasets.load_dataset(dataset_id, task.name, split="test")
+    except ConnectionError as error:  # offline and not cached
+        problem = f"is not in the local cache and offline mode is on (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE; {error})"
+        raise DataError(_NO_HUB_HINT.format(id=dataset_id, problem=problem)) from None
     except Exception as error:
         if "script" in str(error).lower():
             raise DataError(f"{hint}\n(datasets said: {error})") from error

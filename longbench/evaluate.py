@@ -57,14 +57,17 @@ def scorer(
     all_classes: Any,
     *,
     fixes: Collection[str] = (),
+    rounded: bool = True,
 ) -> float:
-    """The task score: ``round(100 * mean per-sample score, 2)``."""
+    """The task score: ``round(100 * mean per-sample score, 2)`` (unrounded with ``rounded=False``: what averages
+    over tasks are taken of)."""
     if not predictions:
         raise ValueError(f"no predictions to score for {dataset}")
     total = 0.0
     for prediction, ground_truths in zip(predictions, answers):
         total += sample_score(dataset, prediction, ground_truths, all_classes, fixes)
-    return round(100 * total / len(predictions), 2)
+    score = 100 * total / len(predictions)
+    return round(score, 2) if rounded else score
 
 
 def scorer_e(
@@ -75,8 +78,10 @@ def scorer_e(
     all_classes: Any,
     *,
     fixes: Collection[str] = (),
+    rounded: bool = True,
 ) -> dict[str, float]:
-    """LongBench-E: the same per-sample scores averaged per length bucket (< 4000, < 8000, the rest).
+    """LongBench-E: the same per-sample scores averaged per length bucket (< 4000, < 8000, the rest), rounded
+    as ``scorer``'s unless ``rounded=False``.
 
     An empty bucket is NaN (numpy's mean of nothing), which ``json.dump`` writes as ``NaN`` like upstream.
     """
@@ -86,4 +91,5 @@ def scorer_e(
         buckets["0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"].append(score)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "Mean of empty slice" is the documented NaN
-        return {key: round(100 * float(np.mean(values)), 2) for key, values in buckets.items()}
+        means = {key: 100 * float(np.mean(values)) for key, values in buckets.items()}
+    return {key: round(mean, 2) if rounded else mean for key, mean in means.items()}

@@ -1,6 +1,7 @@
 """``kvcompress-ruler``: ``generate`` RULER records for a tokenizer with the official generator scripts, ``run`` /
-``predict`` / ``evaluate`` an experiment file (``kvcompress-eval`` with RULER as the default benchmark), and
-``report`` finished runs as a leaderboard (``ruler.leaderboard``).
+``predict`` / ``evaluate`` a RULER experiment file (``kvcompress-eval`` for RULER files only: ``benchmark: ruler``
+is the default of the file's key, and a LongBench file is refused with the command that runs it), and ``report``
+finished runs as a leaderboard (``ruler.leaderboard``).
 
 ``generate`` prints one line per task and length: where the records are, how many seconds they took and whether
 they came from the cache. Tasks run one after another: each script is single-threaded and spends most of its time
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvbench.cli import add_commands, run
+from kvbench.cli import add_commands, description, run, sharding_note
 
 from .generate import DEFAULT_TOKENIZER, PREPARE_SEED, GenerationError, RulerUnavailableError, generate, task_names
 
@@ -38,7 +39,9 @@ def _lengths(text: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvcompress-ruler", description="RULER data generation and evaluation (docs/ruler.md)."
+        prog="kvcompress-ruler", epilog=sharding_note("ruler"),
+        description=f"{description('ruler')} `generate` makes RULER records with the official generator scripts; "
+                    "`report` shows finished runs as a leaderboard.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser(
@@ -63,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds one generator run may take (default: 1800)"
     )
-    add_commands(commands)
+    add_commands(commands, "ruler")
     report = commands.add_parser(
         "report", help="the leaderboard view of finished runs: means over the tasks the full cache solves, a plot"
     )

@@ -5,7 +5,12 @@ every setting's score per task. Only the tasks the full cache solves count (scor
 full-cache setting of the calibration run): a task the model cannot do with its whole cache says nothing about
 compression. Each setting's mean over the counted tasks is shown against its budget (the share of the compressed
 tokens kept) with the KV bytes its caches really held, one table per run (a protocol, a library), and one plot of
-score against the measured KV fraction: one line per method, the peer's dashed, the full cache as a level.
+score against the measured KV fraction: one line per method, the peer's dashed, the full cache as a level and as a
+point at 1.0 (all of its bytes), on an axis from 0 to 1.05 whatever the budgets. The full cache's score heads each
+table rather than sitting in a budget's column: it keeps everything, not that share.
+
+Means are taken of the unrounded task scores where the run's ``scores.json`` has them (the runner's); the peer's
+(``benchmarks/peer_kvpress.py``) holds RULER's rounded scores only, whose mean can differ in the last digit.
 """
 
 from __future__ import annotations
@@ -66,18 +71,19 @@ def _method(setting: dict[str, Any]) -> str:
 
 def _mean(setting: dict[str, Any], tasks: Sequence[str]) -> tuple[float | None, bool]:
     """The mean score over ``tasks`` (over those it has) and whether it has all of them."""
-    scores = [setting["scores"][task] for task in tasks if task in setting["scores"]]
+    given = setting.get("unrounded_scores", setting["scores"])
+    scores = [given[task] for task in tasks if task in given]
     return (sum(scores) / len(scores) if scores else None), len(scores) == len(tasks)
 
 
 def _table(run: Run, tasks: Sequence[str], full_mean: float | None) -> list[str]:
     budgets = sorted({s["budget"] for s in run.settings if isinstance(s["budget"], float)})
     methods = list(dict.fromkeys(_method(s) for s in run.settings if s["budget"] is not None))
-    lines = [f"### {run.title} ({run.library}, {run.protocol})", "",
-             "| method | " + " | ".join(f"{budget:.0%} kept" for budget in budgets) + " |",
-             "|---|" + "---:|" * len(budgets)]
+    lines = [f"### {run.title} ({run.library}, {run.protocol})", ""]
     if full_mean is not None:
-        lines.append("| full cache | " + " | ".join(f"{full_mean:.1f}" for _ in budgets) + " |")
+        lines += [f"Full cache (all of its KV bytes, 1.00): {full_mean:.1f}", ""]
+    lines += ["| method | " + " | ".join(f"{budget:.0%} kept" for budget in budgets) + " |",
+              "|---|" + "---:|" * len(budgets)]
     for method in methods:
         cells = []
         for budget in budgets:
@@ -92,13 +98,9 @@ def _table(run: Run, tasks: Sequence[str], full_mean: float | None) -> list[str]
     return lines + [""]
 
 
-def _plot(runs: Sequence[Run], tasks: Sequence[str], full_mean: float | None, path: Path) -> None:
-    try:
-        from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend and figures alone
-    except ImportError:
-        logger.warning("matplotlib is not installed; skipping %s (pip install matplotlib)", path)
-        return
+def _figure(runs: Sequence[Run], tasks: Sequence[str], full_mean: float | None) -> Any:
     from matplotlib import colormaps
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend and figures alone
 
     figure = Figure(figsize=(9, 5))
     axes = figure.subplots()
@@ -114,13 +116,26 @@ def _plot(runs: Sequence[Run], tasks: Sequence[str], full_mean: float | None, pa
                 label = f"{method} ({run.library}, {run.protocol})" if distinct else method
                 axes.plot(*zip(*points), style, marker="o", label=label)
     if full_mean is not None:
-        axes.axhline(full_mean, linestyle=":", color="black", label="full cache")
+        axes.axhline(full_mean, linestyle=":", color="black", linewidth=0.8)
+        axes.plot([1.0], [full_mean], marker="*", markersize=12, color="black", linestyle="none",
+                  label="full cache (1.0)")
+    axes.set_xlim(0, 1.05)
     axes.set_xlabel("KV bytes held / full cache's")
     axes.set_ylabel(f"mean RULER score over {len(tasks)} counted tasks")
     axes.grid(True, alpha=0.3)
     axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
-    figure.savefig(path, dpi=120, metadata={"Software": None})
+    return figure
+
+
+def _plot(runs: Sequence[Run], tasks: Sequence[str], full_mean: float | None, path: Path) -> None:
+    try:
+        figure = _figure(runs, tasks, full_mean)
+    except ImportError:
+        logger.warning("matplotlib is not installed; skipping %s (pip install matplotlib)", path)
+        return
+    # "tight": the legend sits right of the axes, and a long one would be cut off at the figure's edge
+    figure.savefig(path, dpi=120, bbox_inches="tight", metadata={"Software": None})
 
 
 def leaderboard(folders: Sequence[str | Path], out: str | Path, calibration: str | Path | None = None) -> str:

@@ -98,7 +98,7 @@ def _bfloat16_inputs(kernel: ModuleType) -> bool:
 
 
 def _build() -> ModuleType:
-    from torch.utils.cpp_extension import get_default_build_root, load
+    from torch.utils.cpp_extension import LIB_EXT, get_default_build_root, load
 
     capability = torch.backends.cpu.get_cpu_capability()
     # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; compiled without it the
@@ -113,9 +113,22 @@ def _build() -> ModuleType:
     directory = Path(root) / name
     directory.mkdir(parents=True, exist_ok=True)
     _remove_stale_lock(directory / "lock")
-    logger.info("kvcompress: loading the fused CPU attention kernel (compiled once per machine, ~1 min)")
+    if _built(directory / f"{name}{LIB_EXT}"):
+        logger.debug("kvcompress: loading the fused CPU attention kernel from %s", directory)
+    else:
+        logger.info("kvcompress: compiling the fused CPU attention kernel (once per machine, ~1 min) in %s", directory)
     return load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                 build_directory=str(directory), verbose=False)
+
+
+def _built(library: Path) -> bool:
+    """Whether torch's loader will only load ``library``: it exists (the build folder is named after the source
+    text and the flags) and is newer than the installed torch, whose headers ninja would otherwise rebuild it
+    against. Decides the message only, so that a run says it waits for a compiler when it does, and only then."""
+    try:
+        return library.stat().st_mtime >= Path(torch.__file__).stat().st_mtime
+    except FileNotFoundError:
+        return False
 
 
 def build_name(source: Path, capability: str, flags: list[str]) -> str:

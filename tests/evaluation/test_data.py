@@ -98,6 +98,12 @@ def test_the_official_hub_script_is_refused_with_the_way_out(dataset_id):
     assert "Xnhyacinth/LongBench" in str(error.value) and "data.zip" in str(error.value)
 
 
+@pytest.fixture
+def hub_answers(monkeypatch):
+    """A Hub that has the dataset (no request is made; the rows come from a faked ``datasets.load_dataset``)."""
+    monkeypatch.setattr("longbench.data.hub_problem", lambda repo_id, repo_type: None)
+
+
 def _kvpress_row(record: dict, task: str, context_keeps: int, answer_prefix_chars: int) -> dict:
     """The kvpress converter's layout: the official prompt cut into context / question / answer_prefix."""
     template = TASKS[task].prompt
@@ -126,7 +132,7 @@ def _kvpress_row(record: dict, task: str, context_keeps: int, answer_prefix_char
     ],
 )
 def test_kvpress_layout_mirror_recovers_the_official_record(
-    monkeypatch, sample_data, task, context_keeps, answer_prefix_chars
+    monkeypatch, hub_answers, sample_data, task, context_keeps, answer_prefix_chars
 ):
     import datasets
 
@@ -148,7 +154,7 @@ def test_kvpress_layout_mirror_recovers_the_official_record(
         )
 
 
-def test_hub_rows_are_validated_by_row_number(monkeypatch, sample_data):
+def test_hub_rows_are_validated_by_row_number(monkeypatch, hub_answers, sample_data):
     import datasets
 
     rows = load_task(DataSource("folder", str(sample_data)), "qasper")

@@ -107,8 +107,12 @@ def test_evaluate_experiment_writes_all_reports(tmp_path, make_config, official_
     written = json.loads((root / "scores.json").read_text())
     assert [s["name"] for s in written["settings"]] == ["full", "snapkv-128", "snapkv-256"]
     rows = list(csv.DictReader((root / "scores.csv").open()))
-    assert {"setting": "snapkv-256", "method": "snapkv", "budget": "256", "task": ENGLISH, "bucket": "",
-            "score": "50.0", "samples": ""} in rows
+    assert {"task": "narrativeqa", "bucket": "", "setting": "snapkv-256", "method": "snapkv", "budget": "256",
+            "score": "50.0", "unrounded_score": "50.0", "samples": "2", "kv_bytes": "", "full_kv_bytes": "",
+            "kv_ratio": ""} in rows
+    summaries = list(csv.DictReader((root / "scores_summary.csv").open()))
+    assert [(row["setting"], row[ENGLISH]) for row in summaries] == [("full", "100.0"), ("snapkv-128", "0.0"),
+                                                                      ("snapkv-256", "50.0")]
     markdown = (root / "scores.md").read_text()
     assert "| task | full | snapkv-128 | snapkv-256 |" in markdown
     assert "| **average (english16)** | 100.00 | 0.00 | 50.00 |" in markdown

@@ -40,7 +40,7 @@ def runs(tmp_path):
 def test_only_the_tasks_the_full_cache_solves_count(runs, tmp_path):
     text = leaderboard(runs, tmp_path / "out" / "board")
     assert "Counted tasks (2, where the full cache of `ours` scores >= 50): a_4096, b_4096; left out: c_4096." in text
-    assert "| full cache | 90.0 | 90.0 |" in text
+    assert "Full cache (all of its KV bytes, 1.00): 90.0" in text
     assert "| kvzip | 75.0 (0.10) | 90.0 (0.50) |" in text  # (90 + 60) / 2; c_4096 is not counted
     assert "| snapkv | 40.0 (0.10)* | — |" in text
     assert "### peer (kvpress, context_first)" in text and "| kvzip | 60.0 (1.00) |" in text
