@@ -104,6 +104,11 @@ class Benchmark(abc.ABC):
             return self.score(options, task, lines)
         return 100 * sum(per_sample) / len(per_sample)
 
+    def source_problems(self, options: Any) -> list[str]:
+        """Why the records' sources cannot be read (a Hub the machine cannot reach), each naming the alternatives;
+        checked with ``model.path`` before any work, so that a run reports every unloadable source at once."""
+        return []
+
     def write_official_results(self, setting_dir: Path, scores: Mapping[str, Any]) -> None:
         """Writes the score files the benchmark's own tools write, if any."""
 

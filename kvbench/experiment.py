@@ -355,7 +355,8 @@ def parse_experiment(config: Any, base_dir: Path, default_benchmark: str = DEFAU
     applies when the file has no ``benchmark`` key; with ``exclusive`` (``kvcompress-longbench``,
     ``kvcompress-ruler``) a file of another benchmark is refused (``OtherBenchmarkError``). ``check_model`` also
     checks that ``model.path`` can be loaded (``check_model_path``: a folder, an embedded model, a reachable Hub
-    id), before the sections that import torch: what ``run`` and ``predict`` need, and parsing alone does not."""
+    id) and the benchmark's data sources (``Benchmark.source_problems``), all reported at once: what ``run`` and
+    ``predict`` need, and parsing alone does not."""
     config = check_mapping(config, "the experiment file")
     benchmark = _benchmark(config, default_benchmark, exclusive)
     no_unknown_keys(config, _SHARED | set(benchmark.keys), "")
@@ -367,11 +368,20 @@ def parse_experiment(config: Any, base_dir: Path, default_benchmark: str = DEFAU
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"shard_timeout: must be a positive number of seconds, got {timeout!r}")
     model = _parse_model(config["model"])
+    problems = []  # what cannot be loaded: every source at once, before the sections that import torch
     if check_model:
-        check_model_path(model.path)
+        try:
+            check_model_path(model.path)
+        except ConfigError as error:
+            problems.append(str(error))
+    options = benchmark.parse_options(config, base_dir, model.path)
+    if check_model:
+        problems += benchmark.source_problems(options)
+    if problems:
+        raise ConfigError("\n".join(problems))
     return Experiment(
         benchmark=benchmark,
-        options=benchmark.parse_options(config, base_dir, model.path),
+        options=options,
         name=None if config.get("name") is None else check_string(config["name"], "name"),
         model=model,
         settings=_parse_settings(config["compression"]),

@@ -12,7 +12,7 @@ from typing import Any
 from kvbench.benchmark import Benchmark, Prompt, TableRow
 from kvbench.config import ConfigError, check_boolean, check_folder, check_integer, check_one_of, check_string
 
-from .data import DataError, DataSource, load_task
+from .data import DataError, DataSource, hub_source_problem, load_task
 from .evaluate import BUCKETS, scorer, scorer_e
 from .metrics import METRIC_FIXES
 from .prompt import encode_prompt
@@ -125,6 +125,10 @@ class LongBench(Benchmark):
 
     def unrounded_score(self, options: LongBenchOptions, task: str, lines: Sequence[Mapping[str, Any]]) -> Any:
         return _score_file(task, lines, options.metric_fixes, rounded=False)
+
+    def source_problems(self, options: LongBenchOptions) -> list[str]:
+        problem = hub_source_problem(options.data.location) if options.data.kind == "hub" else None
+        return [] if problem is None else [problem]
 
     def write_official_results(self, setting_dir: Path, scores: Mapping[str, Any]) -> None:
         """eval.py's ``result.json`` in ``pred/`` and ``pred_e/``: base task name -> score (or buckets)."""

@@ -36,6 +36,9 @@ _NO_HUB_HINT = (
 )
 
 
+_OFFLINE = "is not in the local cache and offline mode is on (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE)"
+
+
 class DataError(ValueError):
     """A record or file that does not follow the official LongBench schema."""
 
@@ -177,6 +180,31 @@ def _from_prompt_parts(row: Mapping[str, Any], task: Task, where: str) -> dict[s
     raise DataError(f"{where}: cannot split the row into the official {task.base} context and input")
 
 
+def hub_source_problem(dataset_id: str) -> str | None:
+    """Why the Hub cannot serve ``dataset_id``, with the local sources named, or None: online, asked once without
+    retries; offline, whether an earlier run cached it (the Hub's cache or ``datasets``'). Checked before any record
+    is read, so that a run reports it beside any other source it cannot load."""
+    import datasets
+    from huggingface_hub import constants
+
+    if not datasets.config.HF_HUB_OFFLINE:
+        return _unreachable_hub(dataset_id)
+    namespace, _, name = dataset_id.rpartition("/")
+    caches = (Path(constants.HF_HUB_CACHE) / f"datasets--{dataset_id.replace('/', '--')}",
+              Path(datasets.config.HF_DATASETS_CACHE) / f"{namespace}___{name}")
+    if any(cache.is_dir() for cache in caches):
+        return None
+    return _NO_HUB_HINT.format(id=dataset_id, problem=_OFFLINE)
+
+
+def _unreachable_hub(dataset_id: str) -> str | None:
+    problem = hub_problem(dataset_id, "dataset")
+    if problem is None:
+        return None
+    return _NO_HUB_HINT.format(id=dataset_id,
+                               problem=problem + " (with HF_HUB_OFFLINE=1 a copy that an earlier run cached is read)")
+
+
 def _load_hub(dataset_id: str, task: Task) -> list[dict[str, Any]]:
     """A task's rows from a Hub dataset. A Hub that cannot serve it stops the run at once, naming the local
     sources, rather than after ``datasets``' 30 s of retries with a ``ConnectionError`` that names none."""
@@ -185,16 +213,13 @@ def _load_hub(dataset_id: str, task: Task) -> list[dict[str, Any]]:
     hint = _SCRIPT_HINT.format(id=dataset_id, version=datasets.__version__)
     if dataset_id in SCRIPT_DATASETS:
         raise DataError(hint)
-    if not datasets.config.HF_HUB_OFFLINE:  # offline, datasets reads a copy an earlier run cached, or fails at once
-        problem = hub_problem(dataset_id, "dataset")
-        if problem is not None:
-            problem += " (with HF_HUB_OFFLINE=1 a copy that an earlier run cached is read)"
-            raise DataError(_NO_HUB_HINT.format(id=dataset_id, problem=problem))
+    problem = None if datasets.config.HF_HUB_OFFLINE else _unreachable_hub(dataset_id)
+    if problem is not None:  # offline, datasets reads a copy an earlier run cached, or fails at once
+        raise DataError(problem)
     try:
         rows = datasets.load_dataset(dataset_id, task.name, split="test")
     except ConnectionError as error:  # offline and not cached
-        problem = f"is not in the local cache and offline mode is on (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE; {error})"
-        raise DataError(_NO_HUB_HINT.format(id=dataset_id, problem=problem)) from None
+        raise DataError(_NO_HUB_HINT.format(id=dataset_id, problem=f"{_OFFLINE[:-1]}; {error})")) from None
     except Exception as error:
         if "script" in str(error).lower():
             raise DataError(f"{hint}\n(datasets said: {error})") from error

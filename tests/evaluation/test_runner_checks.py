@@ -6,6 +6,7 @@ task names. Nothing here reaches the network: the Hub is offline or its answer i
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import datasets
@@ -267,3 +268,18 @@ def test_the_ruler_docs_give_the_sharded_command():
     commands = re.findall(r"torchrun --nproc_per_node \d+ -m ruler\.cli run (configs/ruler/[\w.-]+\.yaml)", docs)
     assert commands, "docs/ruler.md gives no torchrun command"
     assert all((REPO / config).is_file() for config in commands)
+
+
+def test_an_unloadable_model_and_hub_data_are_named_together(tmp_path, hub_offline):
+    """The README's published-row command offline: the model and the data both come from the Hub; one run names
+    both with their alternatives, before any record is read (before, the data's 30 s of retries came first)."""
+    config = _longbench_config(tmp_path, data={"hub": "Xnhyacinth/LongBench"},
+                               model={"path": "mistralai/Mistral-7B-Instruct-v0.2"})
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as caught:
+        load_experiment(config, check_model=True)
+    assert time.monotonic() - started < 5
+    first, second = str(caught.value).splitlines()
+    assert first.startswith("model.path: 'mistralai/Mistral-7B-Instruct-v0.2' is not a folder")
+    assert second.startswith("data.hub: Xnhyacinth/LongBench is not in the local cache")
+    assert all(source in second for source in LOCAL_SOURCES)
