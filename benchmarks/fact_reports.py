@@ -12,7 +12,7 @@ the whole prompt at once instead (the quick start); ``method+key=value`` passes 
 is right when the expected number, commas removed, appears in it as a whole number.
 
 Each answer is appended to ``<out>/records.jsonl`` as it comes, and a rerun skips what is there (``--fresh``
-starts over); the table goes to ``<out>/README.md``. float32, one thread.
+starts over); the table goes to ``<out>/scores.md`` (the folder's README.md is the analysis). float32, one thread.
 
     OMP_NUM_THREADS=1 python benchmarks/fact_reports.py --out results/fact_reports
 """
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     text = table(rows, runs, args.count)
     arguments = " ".join(argv if argv is not None else sys.argv[1:])
     command = f"OMP_NUM_THREADS=1 python benchmarks/fact_reports.py {arguments}"
-    (args.out / "README.md").write_text(
+    (args.out / "scores.md").write_text(
         f"# One numeric fact per made-up report\n\n{args.count} reports of `tests/data/fact_reports.py` (seed "
         f"{args.seed}), SmolLM2-135M-Instruct, float32, greedy, {args.max_new_tokens} new tokens; the context first "
         f"(prefilled and compressed before the question) unless `:query_aware`. Per-answer records: "
