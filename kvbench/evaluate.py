@@ -6,10 +6,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from .experiment import CompressionSetting, Experiment
+from .experiment import Experiment
 from .layout import OutputLayout
 from .predictions import read_predictions
 from .report import SettingResult, summarise, write_reports
+from .settings import CompressionSetting
 
 __all__ = ["evaluate_experiment", "evaluate_setting"]
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from .benchmark import Prompt
-from .experiment import CompressionSetting
 from .modeling import input_device
+from .settings import CompressionSetting
 
 __all__ = ["Generated", "cache_bytes", "generate"]
 

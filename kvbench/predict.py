@@ -20,11 +20,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .experiment import CompressionSetting, ConfigError, Experiment, pipeline_record
+from .experiment import ConfigError, Experiment, pipeline_record
 from .generation import generate
 from .layout import OutputLayout
 from .modeling import computed_dtype, load_model
 from .predictions import PredictionWriter, merge, read_predictions
+from .settings import CompressionSetting
 from .sharding import RunLock, Shard, wait_for_samples
 
 __all__ = ["generate_prediction", "predict_task", "predict_experiment"]

@@ -36,8 +36,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .experiment import CompressionSetting, Experiment, _budget_label
+from .experiment import Experiment
 from .layout import OutputLayout
+from .settings import CompressionSetting, budget_label
 
 __all__ = ["SettingResult", "summarise", "write_reports"]
 
@@ -255,7 +256,7 @@ def _summary_rows(summary: dict[str, Any]) -> list[list[Any]]:
 def _line(setting: dict[str, Any]) -> str:
     """The plot line of a setting with a budget: its name without the budget a sweep appends, so that variants
     of one method (``kvzip-0.1`` and ``kvzip-headwise-0.1``) are lines of their own."""
-    return setting["name"].removesuffix(f"-{_budget_label(setting['budget'])}")
+    return setting["name"].removesuffix(f"-{budget_label(setting['budget'])}")
 
 
 def _figure(summary: dict[str, Any], title: str) -> Any:

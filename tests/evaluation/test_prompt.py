@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvbench.experiment import CompressionSetting, load_experiment
+from kvbench.experiment import load_experiment
 from kvbench.predict import generate_prediction
+from kvbench.settings import CompressionSetting
 from longbench.data import DataSource, load_task
 from longbench.prompt import build_prompt, encode_prompt
 from longbench.tasks import TASKS

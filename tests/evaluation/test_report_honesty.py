@@ -19,9 +19,10 @@ import yaml
 
 from kvbench.benchmark import Prompt
 from kvbench.evaluate import evaluate_experiment
-from kvbench.experiment import CompressionSetting, Experiment, load_experiment
+from kvbench.experiment import Experiment, load_experiment
 from kvbench.generation import generate
 from kvbench.report import _figure
+from kvbench.settings import CompressionSetting
 from kvcompress.cache import kv_cache_bytes
 from kvcompress.kernels import native
 from ruler import leaderboard
