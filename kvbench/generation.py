@@ -18,11 +18,12 @@ sliding windows, count as they are).
 The full cache is measured over the same tokens as the compressed settings, so that its bytes and theirs can be
 divided: under ``context_first`` over the context (what the compressed settings hold once it is compressed, before
 the question and the answer are fed), otherwise over every token it saw. Its cache holds more than the context at
-the end of generation, and nothing is evicted, so the context's share is taken from it layer by layer: a layer's
-bytes per token times the context's tokens, or what a sliding window would have held then. (Predictions made
-before this measured the full cache over the whole prompt and answer under ``context_first`` too; the report
-notices the difference per sample.) Under ``query_aware`` the settings' own answers differ in length, so the bytes
-of two settings cover different tokens; each setting's ``full_kv_bytes`` is the reference for its ``kv_bytes``.
+the end of generation, and nothing is evicted, so the context's share is taken from it layer by layer
+(``kvcompress.cache.full_cache_bytes``): a layer's bytes per token times the context's tokens, or what a sliding
+window would have held then. (Predictions made before this measured the full cache over the whole prompt and answer
+under ``context_first`` too; the report notices the difference per sample.) Under ``query_aware`` the settings' own
+answers differ in length, so the bytes of two settings cover different tokens; each setting's ``full_kv_bytes`` is
+the reference for its ``kv_bytes``.
 """
 
 from __future__ import annotations
@@ -56,21 +57,6 @@ def cache_bytes(cache: Any, tokens: int) -> tuple[int, int]:
     return kv_cache_bytes(cache), full_cache_bytes(cache, tokens)
 
 
-def _uncompressed_bytes(cache: Any, tokens: int) -> int:
-    """What a batch-of-one uncompressed cache held after its first ``tokens`` tokens, read from the cache at a
-    later point: nothing was evicted, so a layer that holds every token it saw held its bytes per token times
-    ``tokens``, and a sliding window, which holds the last of them, held as many as it holds now, or ``tokens``
-    if that is fewer."""
-    total = 0
-    for layer in cache.layers:
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if keys is None or not keys.numel():
-            continue
-        held = keys.shape[-2]
-        total += (keys.nbytes + values.nbytes) // held * min(held, tokens)
-    return total
-
-
 @torch.no_grad()
 def generate(model: Any, tokenizer: Any, setting: CompressionSetting, prompt: Prompt) -> Generated:
     """Greedy new tokens for ``prompt`` (batch size 1) under ``setting``, and the cache's bytes."""
@@ -84,8 +70,8 @@ def generate(model: Any, tokenizer: Any, setting: CompressionSetting, prompt: Pr
         new_ids = output.sequences[0, ids.shape[1]:].tolist()
         # the last token is returned, never fed: the cache holds the prompt and all new tokens but one
         seen = ids.shape[1] + len(new_ids) - 1
-        if setting.is_full_cache:
-            full_kv_bytes = _uncompressed_bytes(output.cache, prompt.prefill_length if prompt.context_first else seen)
+        if setting.is_full_cache:  # what it held once the tokens the settings are measured over were fed
+            _, full_kv_bytes = cache_bytes(output.cache, prompt.prefill_length if prompt.context_first else seen)
             return Generated(new_ids, full_kv_bytes, full_kv_bytes)
         kv_bytes, full_kv_bytes = cache_bytes(output.cache, seen)
         return Generated(new_ids, kv_bytes, full_kv_bytes)

@@ -206,10 +206,20 @@ def state_bytes(cache: Cache) -> int:
 
 
 def full_cache_bytes(cache: Cache, tokens: int) -> int:
-    """Bytes the uncompressed cache would hold for ``tokens`` tokens of a batch of one: each compressed layer's
-    bytes per token times the tokens, every other layer as it is."""
-    return sum(layer.bytes_per_token * tokens if isinstance(layer, CompressedLayer) else layer.keys.nbytes
-               + layer.values.nbytes for layer in _filled_layers(cache))
+    """Bytes the uncompressed cache holds for the first ``tokens`` tokens of a batch of one: a compressed layer,
+    or one that keeps every token, its bytes per token times the tokens; a sliding window what it holds, or its
+    bytes per token times the tokens where they are fewer. Read from an uncompressed cache later on (the runner's
+    full cache, measured over its context once the answer is generated), nothing having been evicted since, this
+    is what it held after those tokens."""
+    total = 0
+    for layer in _filled_layers(cache):
+        if isinstance(layer, CompressedLayer):
+            total += layer.bytes_per_token * tokens
+            continue
+        held = layer.keys.shape[-2]
+        per_token = (layer.keys.nbytes + layer.values.nbytes) // held
+        total += per_token * (min(held, tokens) if getattr(layer, "is_sliding", False) else tokens)
+    return total
 
 
 def kept_fraction(cache: Cache) -> float:
