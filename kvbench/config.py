@@ -11,8 +11,8 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_MODEL", "HUB_TIMEOUT", "ConfigError", "check_boolean", "check_folder", "check_integer", "check_mapping",
-    "check_model_path", "check_name",
-    "check_one_of", "check_string", "check_string_list", "hub_problem", "no_unknown_keys", "type_name",
+    "check_model_path", "check_name", "check_one_of", "check_string", "check_string_list", "hub_problem",
+    "no_unknown_keys", "type_name",
 ]
 
 HUB_TIMEOUT = 5.0  # seconds the Hub may take to answer whether it has a repository

@@ -214,7 +214,7 @@ class CompressionSession:
     def prefill_text(self, document: str, chunk_size: int | None = None) -> DynamicCache:
         """``prefill`` for a document given as text: the session's tokenizer renders it in the model's chat template,
         cut where the document ends (``kvcompress.chat``), so that questions asked with ``ask`` continue the same
-        user turn exactly as if the whole prompt had been tokenised at once. Returns the compressed cache."""
+        user turn, and the document's ids are the same whatever question follows. Returns the compressed cache."""
         if self.tokenizer is None:
             raise ValueError("kvcompress: session.prefill_text needs a tokenizer: compress(model, ..., tokenizer=...)")
         rendered = document_prompt(self.tokenizer, document)
@@ -265,9 +265,7 @@ class CompressionSession:
         self._clock = time.perf_counter()
 
     def _stop_clock(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        tokens = kwargs.get("input_ids", args[0] if args else None)
-        if tokens is None:
-            tokens = kwargs.get("inputs_embeds")
+        tokens = _forward_inputs(args, kwargs)[1]
         if self._clock is not None and tokens is not None:
             self.timings["prefill" if tokens.shape[1] > 1 else "decode"] += time.perf_counter() - self._clock
         self._clock = None
@@ -277,9 +275,7 @@ class CompressionSession:
         if not self.compressed_layers:
             return None
         replay = self._replaying
-        token_ids = tokens = kwargs.get("input_ids", args[0] if args else None)  # ids: None for embeddings
-        if tokens is None:
-            tokens = kwargs.get("inputs_embeds")
+        token_ids, tokens = _forward_inputs(args, kwargs)
         batch, length = tokens.shape[:2]
         if length == 0:
             raise ValueError("kvcompress: the input has no tokens (empty prompt); give at least one token")
@@ -389,3 +385,9 @@ class CompressionSession:
         if self._forward is None:
             return original(module, query, key, value, attention_mask, **kwargs)
         return self._forward.attend(module, query, key, value, attention_mask, original, **kwargs)
+
+
+def _forward_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A forward's token ids (None for embeddings) and what it is fed, ids or embeddings: (B, q, ...)."""
+    token_ids = kwargs.get("input_ids", args[0] if args else None)
+    return token_ids, token_ids if token_ids is not None else kwargs.get("inputs_embeds")
