@@ -2,6 +2,9 @@
 CriticalKV refinement) for Hugging Face transformers models."""
 
 from .compressor import KVCacheCompressor, compress
+from .context_file import ContextFileError
+from .context_file import load_context as load
+from .context_store import ContextStore
 from .parameters import KVCacheCompressionParameters
 from .presets import method_names, preset
 from .scoring.base import AttentionCall, Scorer
@@ -9,7 +12,7 @@ from .scoring.registry import register
 from .session import CompressionSession
 
 __all__ = [
-    "AttentionCall", "CompressionSession", "KVCacheCompressionParameters",
-    "KVCacheCompressor", "Scorer", "compress", "method_names", "preset", "register",
+    "AttentionCall", "CompressionSession", "ContextFileError", "ContextStore", "KVCacheCompressionParameters",
+    "KVCacheCompressor", "Scorer", "compress", "load", "method_names", "preset", "register",
 ]
 __version__ = "0.1.0"

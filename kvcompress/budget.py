@@ -4,7 +4,7 @@ it evicts.
 
 A layer keeps ``start_size + recent_size`` window slots plus its scored area: ``intermediate_size`` slots (in
 eviction units of ``unit_size``: one slot, or one page with ``strategy="per_group"``), unless the layer or a
-sequence has an area of its own (``LayerState.scored_units``): a fractional budget's per-sequence area, a share of
+sequence has an area of its own (``CompressedLayer.scored_units``): a fractional budget's per-sequence area, a share of
 a budget the layers split by score (``budget_allocation="global"``), a step of PyramidKV's schedule. A fractional
 budget also gives each sequence its own windows: every sequence of a batch keeps what it would keep alone.
 ``BudgetPlan`` answers these questions for a session; ``budget_slots`` serves the CLI, the runners and the
@@ -14,14 +14,16 @@ benchmarks as well.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from .parameters import KVCacheCompressionParameters
 from .selection.allocation import pyramid_scored_units
 from .selection.windows import SequenceWindows
-from .state import LayerState
+
+if TYPE_CHECKING:
+    from .layer import CompressedLayer
 
 BUDGET_FORMS = "a number of slots (an integer >= 1, e.g. 512) or a fraction of the sequence in (0, 1] (0.2 or '20%')"
 
@@ -124,7 +126,7 @@ class BudgetPlan:
         self.sequence_units = self._initial_units(base, prompt_valid.shape[0], prompt_valid.device, layers)
 
     def follow(self, mask: torch.Tensor | None, batch: int, length: int, seen: int,
-               states: dict[int, LayerState | None], device: torch.device) -> None:
+               layers: dict[int, CompressedLayer], device: torch.device) -> None:
         """A fractional budget follows a sequence that goes on (``length`` new tokens after a cache of ``seen``,
         padding included; ``mask`` the forward's 2-D attention mask, or None): resolved again on the real tokens
         seen so far at every prompt forward (a chat's next turn; the chunks of one prompt keep the whole prompt's
@@ -146,17 +148,17 @@ class BudgetPlan:
         base = self._resolve(tokens, seen + length, device)
         if base is None:
             return
-        self.sequence_units = self._initial_units(base, batch, device, list(states))
-        for index, state in states.items():
-            if state is None:
+        self.sequence_units = self._initial_units(base, batch, device, list(layers))
+        for index, layer in layers.items():
+            if not layer.started:
                 continue
-            if self.parameters.budget_allocation == "pyramid" or state.scored_units is None or index not in previous:
-                self.start_layer(state, index)
+            if self.parameters.budget_allocation == "pyramid" or layer.scored_units is None or index not in previous:
+                self.start_layer(layer, index)
                 continue
             growth = base[0] - previous[index][0]
-            state.set_scored_units((state.scored_units + growth).clamp(min=0))
-            if state.head_units is not None:
-                state.head_units = (state.head_units + growth[:, None]).clamp(min=0)
+            layer.set_scored_units((layer.scored_units + growth).clamp(min=0))
+            if layer.head_units is not None:
+                layer.head_units = (layer.head_units + growth[:, None]).clamp(min=0)
 
     def _resolve(self, tokens: list[int], cache_length: int,
                  device: torch.device) -> tuple[torch.Tensor, int] | None:
@@ -189,11 +191,37 @@ class BudgetPlan:
         fewest = shares.min(-1).values.tolist()
         return {index: (shares[number], fewest[number]) for number, index in enumerate(layers)}
 
-    def start_layer(self, state: LayerState, index: int) -> None:
-        """A layer's state takes its area for the sequence, where it has one of its own."""
+    def start_layer(self, layer: CompressedLayer, index: int) -> None:
+        """A layer starting a sequence takes its area for the sequence, where it has one of its own."""
         if index in self.sequence_units:
             units, fewest = self.sequence_units[index]
-            state.set_scored_units(units.clone(), fewest)
+            layer.set_scored_units(units.clone(), fewest)
+
+    # ------------------------------------------------------------------ what a stored context holds of the plan
+    def saved(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The sequence the plan follows as tensors and JSON facts (the parameters in force, each layer's area,
+        the windows, a fraction's last resolution): what ``restore`` continues from, as if never stored."""
+        tensors = {f"sequence_units.{index}": units for index, (units, _) in self.sequence_units.items()}
+        facts: dict[str, Any] = {
+            "parameters": self.parameters.to_dict(),
+            "fewest_units": {str(index): fewest for index, (_, fewest) in self.sequence_units.items()},
+            "resolved": None if self._resolved is None else list(self._resolved),
+            "windows_fewest": None if self.windows is None else self.windows.fewest,
+        }
+        if self.windows is not None:
+            tensors.update({"windows.start": self.windows.start, "windows.recent": self.windows.recent})
+        return tensors, facts
+
+    def restore(self, tensors: dict[str, torch.Tensor], facts: dict[str, Any]) -> None:
+        """Continue the sequence ``saved`` described (tensors on the plan's device)."""
+        self.parameters = KVCacheCompressionParameters.from_dict(facts["parameters"])
+        self.sequence_units = {int(index): (tensors[f"sequence_units.{index}"], fewest)
+                               for index, fewest in facts["fewest_units"].items()}
+        self._resolved = None if facts["resolved"] is None else tuple(facts["resolved"])
+        self.windows = None
+        if facts["windows_fewest"] is not None:
+            self.windows = SequenceWindows(tensors["windows.start"], tensors["windows.recent"],
+                                           facts["windows_fewest"])
 
     # ------------------------------------------------------------------ a layer's budget
     def uniform_units(self) -> int:
@@ -217,17 +245,17 @@ class BudgetPlan:
         windows = self.windows.rows(scored_units.shape[0])
         return windows.start + windows.recent + scored
 
-    def scored_units(self, state: LayerState) -> torch.Tensor:
+    def scored_units(self, layer: CompressedLayer) -> torch.Tensor:
         """(B,) units of the layer's scored area: its own, else the parameters'."""
-        if state.scored_units is not None:
-            return state.scored_units
-        return torch.full(state.slot_valid.shape[:1], self.uniform_units(), dtype=torch.long,
-                          device=state.slot_valid.device)
+        if layer.scored_units is not None:
+            return layer.scored_units
+        return torch.full(layer.slot_valid.shape[:1], self.uniform_units(), dtype=torch.long,
+                          device=layer.slot_valid.device)
 
-    def fewest_slots(self, state: LayerState) -> int:
+    def fewest_slots(self, layer: CompressedLayer) -> int:
         """The fewest slots any sequence of the layer keeps, with no tensor work (every layer of every decode step
         asks): the smallest area is read once per assignment."""
-        fewest = state.fewest_scored_units()
+        fewest = layer.fewest_scored_units()
         return self.slots(self.uniform_units() if fewest is None else fewest)
 
     def over_budget(self, live: torch.Tensor, scored_units: torch.Tensor, slack: float) -> torch.Tensor:
@@ -241,16 +269,16 @@ class BudgetPlan:
             return torch.ones_like(live, dtype=torch.bool)
         return self.over_budget(live, scored_units, slack)
 
-    def due(self, state: LayerState, total: int, slack: float) -> bool:
+    def due(self, layer: CompressedLayer, total: int, slack: float) -> bool:
         """Whether a layer now holding ``total`` slots evicts: more than ``slack`` past its fewest budget, or with
         a ``score_threshold`` more than ``slack`` slots added since its last eviction (a prompt always is). A
         folded layer, whose heads hold the counts a selection gave them, evicts once more than ``slack`` slots
         per head joined since its last eviction (a prompt always does)."""
         if self.parameters.score_threshold is not None:
-            return total > state.kept_length + slack
-        if state.folded_heads:
-            return total > state.kept_length + slack * state.folded_heads
-        return total > self.fewest_slots(state) + slack
+            return total > layer.kept_length + slack
+        if layer.folded_heads:
+            return total > layer.kept_length + slack * layer.folded_heads
+        return total > self.fewest_slots(layer) + slack
 
     def slack(self, length: int, evicting: bool) -> float:
         """How far past its budget a layer may grow before it evicts: 0 after a multi-token forward, the decode

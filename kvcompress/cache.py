@@ -1,158 +1,19 @@
 """The compressed cache, in transformers' own cache API, and measuring caches.
 
-A compressed full-attention layer (``CompressedLayer``) stores a chosen subset of the tokens it has seen, in their
-original order, together with their eviction state (``LayerState``: scores, counters, positions, slot validity).
-Like transformers' ``DynamicSlidingWindowLayer``, whose window also holds fewer tokens than were seen, it reports
-the true number of tokens seen (``get_seq_length``), so ``generate`` slices a resumed prompt and numbers positions
-exactly as for an uncompressed cache, and it answers the mask sizes of its physical layout: ``kv_offset`` maps its
-slots onto the end of the sequence, so the newest slots (this forward's tokens) line up with their queries and
-every kept slot, being older, stays visible. Which kept slots hold live tokens (left padding) is the layer's
-``state.slot_valid``; the session turns it into the 2-D mask transformers reads (see ``masks.py``).
-
-Sliding-window layers keep transformers' own class: they are bounded already. A ``DynamicCache`` passed in empty
-is adopted (its full-attention layers become compressed layers). The session does the scoring and eviction, and
-writes the layout into the mask; outside a session the layers behave as plain dynamic layers over the kept slots.
+A ``DynamicCache`` passed in empty is adopted: its full-attention layers become compressed layers
+(``layer.CompressedLayer``, which own their kept slots and those slots' eviction state); sliding-window layers keep
+transformers' own class, being bounded already. The session does the scoring and eviction, and writes the layout
+into the mask; outside a session the layers behave as plain dynamic layers over the kept slots. The meters here
+measure any cache, compressed or not, against the uncompressed cache of the same tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from .ragged import fold_kept, fold_new_tokens, folded_attention, folded_head_of_new
-from .rerotation import rotate_keys
-from .selection.windows import left_aligned_indices
-from .state import LayerState, gather_slots
-
-
-class CompressedLayer(DynamicLayer):
-    """A full-attention cache layer that keeps a subset of the tokens seen, and owns their eviction state."""
-
-    is_croppable = False
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.cumulative_length = 0  # tokens seen, padding included: the length of generate's 2-D mask
-        self.state: LayerState | None = None  # None until the layer's first forward under a session
-
-    @property
-    def physical_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
-
-    @property
-    def folded_heads(self) -> int | None:
-        """The KV heads folded into one row after a head-wise selection (``ragged.py``), else None."""
-        return None if self.state is None else self.state.folded_heads
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        tokens = key_states.shape[-2]
-        if self.folded_heads is not None:
-            key_states, value_states = fold_new_tokens(key_states), fold_new_tokens(value_states)
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
-        self.cumulative_length += tokens
-        return keys, values
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset): the physical slots plus the new tokens, mapped onto the sequence's end."""
-        physical = self.physical_length
-        if self.folded_heads is not None:  # the session attends itself and ignores this mask (ragged.py)
-            return physical + query_length, 0
-        return physical + query_length, self.cumulative_length - physical
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Key and value bytes one token takes in this layer (every head's slot of it, folded or not)."""
-        return (self.keys[..., :1, :].nbytes + self.values[..., :1, :].nbytes) * (self.folded_heads or 1)
-
-    def own_attention(self, query, key, value, layout: torch.Tensor, scaling: float, softcap: float | None,
-                      observed: torch.Tensor | None = None,
-                      all_live: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The attention output of a layer whose layout the model's attention cannot take (a folded one:
-        ``ragged.folded_attention`` over its per-head slots, ``layout`` its slots' validity this forward, and
-        ``all_live`` whether the caller knows them all live), with the most attention the ``observed`` queries
-        give each slot (B, 1, M) where asked; None for any other layer (the scorer's pass or the model's own
-        function computes it)."""
-        if self.folded_heads is None:
-            return None
-        batch, _, length, _ = query.shape
-        heads = torch.cat([self.state.slot_head, folded_head_of_new(self.folded_heads, length, batch, query.device)],
-                          dim=-1)
-        return folded_attention(query, key, value, layout, heads, self.folded_heads, scaling, softcap, observed,
-                                all_live)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "kvcompress: a compressed cache cannot be cropped (assisted / speculative decoding and cache cropping "
-            "assume every token is still cached)"
-        )
-
-    def keep(self, index: torch.Tensor, valid: torch.Tensor) -> None:
-        """Keep only the slots ``index`` (B, K), in that order; ``valid`` (B, K) marks which hold live tokens."""
-        self.keys = gather_slots(self.keys, index)
-        self.values = gather_slots(self.values, index)
-        self.state.gather(index)
-        self.state.slot_valid = valid
-
-    def rerotate_to_compact(self, module, inv_freq: torch.Tensor) -> None:
-        """Rotate the live keys to compact positions 0, 1, ... in slot order (``rerotate_keys``), after ``keep``:
-        the keys and their recorded RoPE positions change together."""
-        state, valid = self.state, self.state.slot_valid
-        kept, compact = valid, (valid.long().cumsum(-1) - 1).clamp(min=0)
-        if state.per_head:  # (B, 1, K) against each head's own positions
-            kept, compact = kept[:, None], compact[:, None]
-        delta = torch.where(kept, compact - state.rope_positions, 0)
-        self.keys = rotate_keys(module, self.keys, delta, inv_freq)
-        state.rope_positions = torch.where(kept, compact, state.rope_positions)
-
-    def keep_per_head(self, keep: torch.Tensor) -> None:
-        """Keep each KV head's own slots ``keep`` (B, H_kv, T) bool, whatever their count per head: the layer folds
-        its heads into one row that holds exactly the kept (head, token) slots (``ragged.py``)."""
-        source, valid = left_aligned_indices(keep.flatten(1))
-        self.keys = fold_kept(self.keys, source)
-        self.values = fold_kept(self.values, source)
-        self.state.fold_heads(source, valid)
-
-    def keep_folded(self, keep: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> None:
-        """Keep the slots of a folded layer that its heads' rows (``ragged.head_grid``'s ``index`` and ``valid``,
-        (B, H_kv, W)) kept (``keep``, same shape), in slot order: the layer stays folded."""
-        kept = torch.zeros_like(self.state.slot_valid, dtype=torch.long)
-        kept.scatter_add_(1, index.flatten(1), (keep & valid).flatten(1).long())  # dead cells repeat a slot
-        self.keep(*left_aligned_indices(kept > 0))
-
-    def drop_newest(self, tokens: int) -> None:
-        """Forget the last ``tokens`` tokens' slots (one per head in a folded layer), as if never seen (a
-        context-reconstruction pass's own tokens)."""
-        kept = self.physical_length - tokens * (self.folded_heads or 1)
-        self.keys = self.keys[..., :kept, :].contiguous()
-        self.values = self.values[..., :kept, :].contiguous()
-        self.cumulative_length -= tokens
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._select_rows(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.state is not None:
-            rows = torch.arange(self.state.slot_valid.shape[0], device=self.state.slot_valid.device)
-            self._select_rows(rows.repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._select_rows(torch.as_tensor(indices))
-
-    def _select_rows(self, rows: torch.Tensor) -> None:
-        if self.state is not None:
-            self.state.reorder(rows)
-
-    def reset(self) -> None:
-        super().reset()
-        self.state = None
+from .layer import CompressedLayer
 
 
 def adopt_cache(cache: object, compressed_layers: list[int], num_layers: int) -> None:
@@ -202,7 +63,7 @@ def kv_cache_bytes(cache: Cache) -> int:
 def state_bytes(cache: Cache) -> int:
     """Bytes of the eviction state the compressed layers keep beside their keys and values (scores, positions,
     slot layout): what a compressed sequence costs on top of ``kv_cache_bytes``."""
-    return sum(layer.state.nbytes for layer in cache.layers if getattr(layer, "state", None) is not None)
+    return sum(layer.state_nbytes for layer in cache.layers if isinstance(layer, CompressedLayer))
 
 
 def full_cache_bytes(cache: Cache, tokens: int) -> int:

@@ -39,7 +39,8 @@ class KVCacheCompressor:
         self.tokenizer = tokenizer
 
     def __call__(self, model: nn.Module) -> "CompressionSession":
-        return CompressionSession(model, self.parameters, self.tokenizer)
+        return CompressionSession(model, self.parameters, self.tokenizer,
+                                  recipe={"parameters": self.parameters.to_dict()})
 
 
 def compress(
@@ -59,11 +60,20 @@ def compress(
     if method == NONE:
         raise ValueError("method='none' keeps the full cache: run the model without kvcompress.compress")
     budget = parse_budget(budget)
+    recipe = {"method": method, "budget": budget, "overrides": overrides}
     if isinstance(budget, int):
-        return CompressionSession(model, preset(method, budget, **overrides), tokenizer)
+        return CompressionSession(model, preset(method, budget, **overrides), tokenizer, recipe=recipe)
 
     def parameters_for(slots: int) -> KVCacheCompressionParameters:
         return preset(method, slots, **overrides)
 
     fraction = FractionalBudget.of(budget, parameters_for)
-    return CompressionSession(model, parameters_for(fraction.slots(1024)), tokenizer, fraction)
+    return CompressionSession(model, parameters_for(fraction.slots(1024)), tokenizer, fraction, recipe)
+
+
+def session_from_recipe(model: nn.Module, recipe: Mapping[str, Any], tokenizer: Any = None) -> "CompressionSession":
+    """A new session made as ``recipe`` (``CompressionSession.recipe``) says: ``compress``'s method, budget and
+    overrides, or a ``KVCacheCompressor``'s parameters."""
+    if "parameters" in recipe:
+        return KVCacheCompressor(recipe["parameters"], tokenizer)(model)
+    return compress(model, recipe["method"], recipe["budget"], tokenizer, **recipe["overrides"])

@@ -3,13 +3,13 @@
 The session's decoder pre-hook builds a ``Forward`` (which new tokens are real, their positions, the slot layout
 every layer shares); every compressed layer's attention call then runs ``Forward.attend``:
 
-1. the layer's state (a layer's first forward of a sequence starts it, with the plan's area for it);
+1. the layer's slots (a layer's first forward of a sequence starts tracking them, with the plan's area for it);
 2. the layer's slot layout for this forward (the shared one, else its own);
 3. the attention: a folded layer's own (``ragged.folded_attention``, with the scores of a scorer whose rule it
    computes), else the scorer's pass, which returns this forward's scores and, where it computed it, the
    attention output; otherwise the model's own function;
-4. the scores into the layer's state (``LayerState.append``; a reconstruction pass merges them and drops its own
-   slots);
+4. the scores into the layer's state (``CompressedLayer.append_slots``; a reconstruction pass merges them and
+   drops its own slots);
 5. eviction: at once for a prefill's layer over budget (``selection.evict``), or marked due when the forward
    ends (a decode step's, a budget the layers share, a prompt KVzip reconstructs first).
 
@@ -28,14 +28,13 @@ from torch import nn
 
 from .adapters import value_projection_weight
 from .budget import BudgetPlan
-from .cache import CompressedLayer
 from .kernels.attention import observation_counts
 from .kernels.value_norm import projected_value_l1
+from .layer import CompressedLayer
 from .masks import additive_mask
 from .ragged import fold_new_tokens
 from .scoring.base import AttentionCall, Scorer
 from .selection.evict import evict
-from .state import LayerState
 
 
 @dataclasses.dataclass
@@ -90,17 +89,17 @@ class Forward:
         """
         started = time.perf_counter()
         layer = self.cache.layers[module.layer_idx]
-        state = self._layer_state(layer, module.layer_idx, key)
-        cached = key.shape[-2] - state.new_slots(query.shape[2])
-        if state.length != cached:
+        self._start_layer(layer, module.layer_idx, key)
+        cached = key.shape[-2] - layer.new_slots(query.shape[2])
+        if layer.tracked_slots != cached:
             raise RuntimeError(
                 f"kvcompress: layer {module.layer_idx} holds {cached} cached slots but its scores cover "
-                f"{state.length}; the cache was modified outside the compressor"
+                f"{layer.tracked_slots}; the cache was modified outside the compressor"
             )
         self.attended += 1
         hidden_states = self.hidden_states.pop(module.layer_idx, None)  # read once: a long prompt's are large
         head_scores = None
-        layout, all_live = self._layer_layout(state)
+        layout, all_live = self._layer_layout(layer)
         scaling = kwargs.get("scaling") or module.scaling
         # a folded layer (heads of their own lengths) attends itself, and scores where its scorer's rule applies
         # to it: the most attention a slot receives (KVzip's: reconstruction passes and decode steps), computed by
@@ -123,7 +122,7 @@ class Forward:
                 positions=self.positions, replay=self.replay,
                 hidden_states=hidden_states,
             )
-            head_scores, scorer_output = self.scorer.attend(call, state)
+            head_scores, scorer_output = self.scorer.attend(call, layer)
             if own is None:
                 output = scorer_output
             else:  # (B, H_kv, q) for the new tokens: one per new slot, in the folded layer's order
@@ -143,20 +142,19 @@ class Forward:
         evict(layers, self.scorer, self.budget, slack, allocate, self.inv_freq, self.timings,
               decoding=self.length == 1)
 
-    def _layer_state(self, layer: CompressedLayer, index: int, keys: torch.Tensor) -> LayerState:
-        """The layer's state; a layer seen for the first time in a sequence (empty cache) starts empty."""
-        if layer.state is None:
-            layer.state = LayerState.empty(keys.shape[0], keys.shape[1], keys.device,
-                                           per_head=self.parameters.head_selection == "per_head")
-            self.budget.start_layer(layer.state, index)
-        return layer.state
+    def _start_layer(self, layer: CompressedLayer, index: int, keys: torch.Tensor) -> None:
+        """A layer seen for the first time in a sequence (empty cache) starts tracking its slots."""
+        if not layer.started:
+            layer.start_slots(keys.shape[0], keys.shape[1], keys.device,
+                              per_head=self.parameters.head_selection == "per_head")
+            self.budget.start_layer(layer, index)
 
-    def _layer_layout(self, state: LayerState) -> tuple[torch.Tensor, bool]:
+    def _layer_layout(self, layer: CompressedLayer) -> tuple[torch.Tensor, bool]:
         """This forward's slot layout of a layer (its cached slots, then the new tokens) and whether it is all
         live: the shared one when every layer has the same, else the layer's own."""
         if self.layout is not None:
             return self.layout
-        layout = state.forward_layout(self.valid)
+        layout = layer.forward_layout(self.valid)
         # asking an accelerator whether all are live would wait for it in every layer: assume not (masks are safe)
         return layout, layout.device.type == "cpu" and bool(layout.all())
 
@@ -173,11 +171,11 @@ class Forward:
 
     def _record(self, module: nn.Module, layer: CompressedLayer, head_scores: torch.Tensor | None) -> None:
         """Combine the layer's scores into its state and evict once the layer is over budget."""
-        state, length = layer.state, self.length
+        length = self.length
         started = time.perf_counter()
         if self.replay:  # the reconstruction's own slots leave the cache; only the scores remain
             if head_scores is not None:
-                state.merge(head_scores, self.scorer.combine)
+                layer.merge_scores(head_scores, self.scorer.combine)
             layer.drop_newest(length)
             return
         value_norms = None
@@ -187,11 +185,11 @@ class Forward:
             )
         total = layer.physical_length
         counts = self._observe(total)[1] if head_scores is not None else None
-        state.append(head_scores, counts, self.positions, self.true_positions, self.valid, value_norms,
+        layer.append_slots(head_scores, counts, self.positions, self.true_positions, self.valid, value_norms,
                      combine=self.scorer.combine)
         self.timings["scoring"] += time.perf_counter() - started
         slack = self.budget.slack(length, self.evicting)
-        if self.budget.due(state, total, slack):
+        if self.budget.due(layer, total, slack):
             if length == 1:  # a decode step: every due layer is evicted at once when the forward ends
                 self.due.append((module, layer))
             elif self.reconstructs or self.parameters.layers_share_budget:

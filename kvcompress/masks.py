@@ -2,16 +2,19 @@
 the mask the decoder gets (transformers' 2-D mask in the layers' physical layout, per layer type on hybrid
 models), and one layer's own additive mask where the layers' layouts differ.
 
-Each compressed layer owns its slot layout (``LayerState.slot_valid``: dead slots, left padding or filler, sit at
+Each compressed layer owns its slot layout (``CompressedLayer.slot_valid``: dead slots, left padding or filler, sit at
 the left); with the same budget in every layer they all hold the same one, so one 2-D mask describes them and
 transformers' own mask code stays correct after eviction.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .state import LayerState
+if TYPE_CHECKING:
+    from .layer import CompressedLayer
 
 
 def new_token_validity(mask, batch: int, length: int, seen: int, device) -> torch.Tensor:
@@ -36,19 +39,19 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def shared_layout(states: list[LayerState | None], new_valid: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+def shared_layout(layers: list[CompressedLayer], new_valid: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     """The layout (B, T + q) every compressed layer has in this forward (its cached slots, then the new tokens)
     and whether it is all live, or None when the layers' layouts differ. One read from the device for all layers
     (on an accelerator each read waits for the work queued before it)."""
-    if all(state is None for state in states):
+    if not any(layer.started for layer in layers):
         return new_valid, bool(new_valid.all())
-    if any(state is None or not state.shares_layout for state in states):
+    if any(not layer.started or not layer.shares_layout for layer in layers):
         return None
-    first = states[0].slot_valid
-    if any(state.length != first.shape[-1] for state in states[1:]):
+    first = layers[0].slot_valid
+    if any(layer.tracked_slots != first.shape[-1] for layer in layers[1:]):
         return None
     layout = torch.cat([first, new_valid], dim=-1)
-    others = [state.slot_valid for state in states[1:]]
+    others = [layer.slot_valid for layer in layers[1:]]
     same = torch.stack(others).eq(first).all() if others else layout.new_ones(())
     same, live = torch.stack([same, layout.all()]).tolist()
     return (layout, live) if same else None

@@ -5,7 +5,7 @@ A rectangular (B, H_kv, T, d) cache cannot hold heads of different lengths witho
 longest, which gives back much of what adaptive budgets save. So a layer whose heads were selected adaptively
 *folds* its heads into one row: keys and values become (B, 1, N, d), N the sum of the heads' kept counts (the
 widest sequence's, others left-filled with dead slots), head-major, and every slot records its KV head
-(``LayerState.slot_head``). The cache then holds exactly what is kept. Tokens that arrive later (a question, the
+(``CompressedLayer.slot_head``). The cache then holds exactly what is kept. Tokens that arrive later (a question, the
 answer) append H_kv slots each, token-major, one per head.
 
 Attention over a folded layer is the session's own (``folded_attention``): the queries of KV head h's group see

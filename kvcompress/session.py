@@ -15,6 +15,7 @@ reconstruction passes (KVzip), then the due evictions (a decode step's, a budget
 from __future__ import annotations
 
 import copy
+import os
 import time
 import weakref
 from collections import defaultdict
@@ -30,10 +31,10 @@ from .budget import BudgetPlan, FractionalBudget
 from .cache import CacheReport, adopt_cache, cache_report
 from .chat import DocumentPrompt, document_prompt
 from .forward import Forward
+from .layer import CompressedLayer
 from .masks import decoder_mask, new_token_validity, positions_from_mask, shared_layout
 from .parameters import KVCacheCompressionParameters
 from .rerotation import check_rerotation_supported
-from .state import LayerState
 
 _ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -47,10 +48,13 @@ class CompressionSession:
         parameters: KVCacheCompressionParameters,
         tokenizer: Any = None,
         fraction: FractionalBudget | None = None,
+        recipe: dict[str, Any] | None = None,
     ):
         """``fraction`` (``kvcompress.compress`` with a fractional budget): every sequence keeps that fraction of
-        what it has seen, with the windows of its own length (``budget.BudgetPlan``)."""
+        what it has seen, with the windows of its own length (``budget.BudgetPlan``). ``recipe``: how the session
+        was made (``compressor.session_from_recipe`` makes it again), which a stored context records."""
         self.model = model
+        self.recipe = recipe if recipe is not None else {"parameters": parameters.to_dict()}
         self.tokenizer = tokenizer
         self.budget = BudgetPlan(parameters, fraction)
         self.scorer = parameters.scorer(parameters)
@@ -65,7 +69,8 @@ class CompressionSession:
         self._handles: list[Any] = []
         self._replaying = False  # inside a context-reconstruction pass (KVzip): nothing joins the sequence
         self._restore_attention = None
-        self._context: tuple[DynamicCache, torch.Tensor] | None = None  # a prefilled context and its 2-D mask
+        # a prefilled context: its cache, 2-D mask and token ids; kept after the block, for the next one
+        self._context: tuple[DynamicCache, torch.Tensor, torch.Tensor] | None = None
         self._document: DocumentPrompt | None = None  # the chat template around a context given as text
         self._evicting = True  # False while generate() answers after a prefilled context
 
@@ -127,8 +132,8 @@ class CompressionSession:
         if self._restore_attention is not None:
             self._restore_attention()
             self._restore_attention = None
-        # the latest cache stays readable (``report``); a context waits for no further question
-        self._forward = self._context = self._document = None
+        # the latest cache stays readable (``report``), and a prefilled context waits for the next block's questions
+        self._forward = None
         self._replaying = False
         _ACTIVE_MODELS.discard(self.model)
 
@@ -149,7 +154,8 @@ class CompressionSession:
         shorter and each sequence of a left-padded batch is cut where it would be alone; a fractional budget is a
         fraction of the whole context.
 
-        A session holds one context: a second ``prefill`` starts a new one and drops the previous.
+        A session holds one context, kept after the ``with`` block (a later block asks on, ``save`` stores it): a
+        second ``prefill`` starts a new one and drops the previous.
         """
         self._check_attached("prefill")
         self._document = None
@@ -171,7 +177,7 @@ class CompressionSession:
                            position_ids=positions[:, start:end], cache=cache, use_cache=True, logits_to_keep=1)
         finally:
             self.budget.whole_prompt = None
-        self._context = cache, mask
+        self._context = cache, mask, input_ids
         return cache
 
     @torch.no_grad()
@@ -195,7 +201,7 @@ class CompressionSession:
             raise RuntimeError("kvcompress: call session.prefill(context_ids) before session.generate(question_ids)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        context, context_mask = self._context
+        context, context_mask, _ = self._context
         eos = eos_token_id if eos_token_id is not None else self.model.generation_config.eos_token_id
         eos = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
         new_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -232,6 +238,45 @@ class CompressionSession:
         answer = self.generate(ids, max_new_tokens=max_new_tokens)[0]
         return self.tokenizer.decode(answer, skip_special_tokens=True).strip()
 
+    # ------------------------------------------------------------------ a context that outlives the process
+    def save(self, target: str | os.PathLike) -> dict[str, Any]:
+        """Store the prefilled context in ``target`` (a path, or any fsspec URL: ``s3://...``, ``memory://...``):
+        one safetensors file, written whole or not at all, that ``kvcompress.load`` turns back into this session's
+        state in any process (``kvcompress.context_file`` describes it). Returns its summary (tokens, KV bytes)."""
+        from .context_file import save_context
+
+        return save_context(self, target)
+
+    @property
+    def context(self) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """The prefilled context: its compressed cache, 2-D mask and token ids (B, T)."""
+        if self._context is None:
+            raise RuntimeError("kvcompress: the session holds no context; call session.prefill(context_ids) first")
+        return self._context
+
+    @property
+    def context_ids(self) -> torch.Tensor:
+        """The context's token ids (B, T): a plain ``model.generate`` on ``context_cache()`` takes ids that begin
+        with them."""
+        return self.context[2]
+
+    def context_cache(self) -> DynamicCache:
+        """A copy of the compressed context's cache, for a plain ``model.generate(ids, past_key_values=...)``
+        inside the ``with`` block (ids that begin with ``context_ids``; the new prompt is compressed as a chat turn)."""
+        return copy.deepcopy(self.context[0])
+
+    @property
+    def document(self) -> DocumentPrompt | None:
+        """The chat template around a context given as text (``prefill_text``), else None."""
+        return self._document
+
+    def adopt_context(self, cache: DynamicCache, mask: torch.Tensor, ids: torch.Tensor,
+                      document: dict[str, Any] | None = None) -> None:
+        """Take a context compressed elsewhere (a stored one) as this session's prefilled context."""
+        self._context = cache, mask, ids
+        self._document = None if document is None else DocumentPrompt(**document)
+        self.cache = cache
+
     def report(self) -> CacheReport:
         """What the latest cache holds against the full cache for the tokens it has seen, and the session's
         timings; readable during and after the ``with`` block."""
@@ -253,12 +298,13 @@ class CompressionSession:
         return self.layout.compressed_layers
 
     @property
-    def layers(self) -> dict[int, LayerState]:
-        """The eviction state of each compressed layer of the latest cache the session ran on."""
+    def layers(self) -> dict[int, CompressedLayer]:
+        """Each compressed layer of the latest cache the session ran on that tracks its slots (keys, values and
+        their eviction state)."""
         if self.cache is None:
             return {}
-        return {index: self.cache.layers[index].state for index in self.compressed_layers
-                if index < len(self.cache.layers) and getattr(self.cache.layers[index], "state", None) is not None}
+        return {index: self.cache.layers[index] for index in self.compressed_layers
+                if index < len(self.cache.layers) and getattr(self.cache.layers[index], "started", False)}
 
     # ------------------------------------------------------------------ the model's forward, timed
     def _start_clock(self, module: nn.Module, args: tuple) -> None:
@@ -293,14 +339,14 @@ class CompressionSession:
         adopt_cache(cache, self.compressed_layers, len(self.layout.attention_modules))
         self.cache = cache
         seen = cache.get_seq_length()
-        states = [cache.layers[index].state for index in self.compressed_layers]
-        if states[0] is not None and states[0].slot_valid.shape[0] != batch:
+        layers = [cache.layers[index] for index in self.compressed_layers]
+        if layers[0].started and layers[0].slot_valid.shape[0] != batch:
             raise ValueError(
-                f"kvcompress: the cache holds {states[0].slot_valid.shape[0]} sequences, the input {batch}; continue "
+                f"kvcompress: the cache holds {layers[0].slot_valid.shape[0]} sequences, the input {batch}; continue "
                 "a compressed cache with the same batch"
             )
         if (length > 1 and self._evicting and not replay and not self.scorer.scores_folded_layers
-                and any(s is not None and s.folded_heads is not None for s in states)):
+                and any(layer.folded_heads is not None for layer in layers)):
             raise ValueError(
                 f"kvcompress: with method={self.parameters.method!r}, budget_allocation="
                 f"{self.parameters.budget_allocation!r} compresses one prompt; this cache already holds its per-head "
@@ -316,18 +362,18 @@ class CompressionSession:
             self.evictions = 0
             self.budget.start_sequence(new_valid, self.compressed_layers)
         elif self._evicting and not replay:
-            self.budget.follow(mask, batch, length, seen, dict(zip(self.compressed_layers, states)), device)
+            self.budget.follow(mask, batch, length, seen, dict(zip(self.compressed_layers, layers)), device)
         given = kwargs.get("position_ids")
         # without position ids transformers numbers the new tokens after the cache's true length, as we do
         true_positions = given.expand(batch, -1) if given is not None else (
             seen + torch.arange(length, device=device)).expand(batch, -1)
         positions = true_positions
         if self.parameters.rerotate_keys:  # every layer keeps the same slots' count: one compact position each
-            live = states[0].live if states[0] is not None else torch.zeros(batch, dtype=torch.long, device=device)
+            live = layers[0].live if layers[0].started else torch.zeros(batch, dtype=torch.long, device=device)
             positions = (live[:, None] + new_valid.long().cumsum(-1) - 1).clamp(min=0)
         kwargs["position_ids"] = positions
         # one layout for every layer (the decoder's mask describes it), or None (each layer's own)
-        layout = shared_layout(states, new_valid)
+        layout = shared_layout(layers, new_valid)
         kwargs["attention_mask"] = decoder_mask(module, tokens, mask, layout, cache, positions,
                                                 bool(self.layout.sliding_layers))
         self._forward = Forward(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.attention import observed_attention
-from ..state import by_head
+from ..slots import by_head
 from .base import AttentionCall, Scorer
 
 
@@ -23,7 +23,7 @@ class AccumulatedAttention(Scorer):
         ``"forward"``); None: not."""
         return None
 
-    def attend(self, call: AttentionCall, state) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def attend(self, call: AttentionCall, layer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         pool = self.pooling(call)
         # a pooled window keeps the original attention for the output and scores beside it
         fuse = call.may_fuse and pool is None
@@ -33,7 +33,7 @@ class AccumulatedAttention(Scorer):
             first_row=self.first_observed(call.length),
         )
 
-    def eviction_scores(self, state, keys, values, slot_valid) -> torch.Tensor:
+    def eviction_scores(self, layer, keys, values, slot_valid) -> torch.Tensor:
         if self.parameters.score_aggregation == "norm_sum":
-            return state.head_scores / by_head(state.counts).clamp(min=1.0)
-        return state.head_scores
+            return layer.head_scores / by_head(layer.counts).clamp(min=1.0)
+        return layer.head_scores

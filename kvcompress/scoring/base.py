@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from ..layer import CompressedLayer
     from ..parameters import KVCacheCompressionParameters
-    from ..state import LayerState
 
 
 @dataclasses.dataclass
@@ -129,7 +129,7 @@ class Scorer:
         would wait for an accelerator): the scoring pass starts there when it computes no output."""
         return 0
 
-    def attend(self, call: AttentionCall, state: "LayerState") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def attend(self, call: AttentionCall, layer: "CompressedLayer") -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This forward's scores over all T slots (B, H_kv, T) float32 (over its q new slots (B, H_kv, q) when
         ``combine="once"``), or None, and the attention output (B, q, H, d) if it was computed here (else the
         model's own attention function runs)."""
@@ -142,10 +142,11 @@ class Scorer:
         raise NotImplementedError(f"{type(self).__name__} does not reconstruct the context")
 
     def eviction_scores(
-        self, state: "LayerState", keys: torch.Tensor, values: torch.Tensor, slot_valid: torch.Tensor
+        self, layer: "CompressedLayer", keys: torch.Tensor, values: torch.Tensor, slot_valid: torch.Tensor
     ) -> torch.Tensor:
         """The per-KV-head scores (B, H_kv, T) selection ranks by, higher kept; default: the combined scores.
 
-        The state's per-slot positions and counts are (B, T), or (B, H_kv, T) when each head keeps its own slots
-        (``head_selection="per_head"``); ``kvcompress.state.by_head`` views either as (B, H_kv or 1, T)."""
-        return state.head_scores
+        ``layer`` is the cache layer, which owns its slots' state: per-slot positions and counts are (B, T), or
+        (B, H_kv, T) when each head keeps its own slots (``head_selection="per_head"``); ``kvcompress.slots.by_head``
+        views either as (B, H_kv or 1, T)."""
+        return layer.head_scores

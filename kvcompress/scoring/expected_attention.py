@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..rerotation import rotate_keys
-from ..state import by_head
+from ..slots import by_head
 from .base import AttentionCall, Scorer
 
 N_SINK = 4  # leading positions left out of the statistics and never evicted by this score (kvpress's n_sink)
@@ -31,18 +31,21 @@ class ExpectedAttention(Scorer):
     def bind(self, model, tokenizer) -> None:
         from ..adapters import full_attention_inv_freq, inspect_model
 
-        self.inv_freq = full_attention_inv_freq(inspect_model(model).rotary_emb)
+        layout = inspect_model(model)
+        self.inv_freq = full_attention_inv_freq(layout.rotary_emb)
         if self.inv_freq is None:
             raise ValueError(f"method='expected_attention' needs rotary position embeddings; "
                              f"{type(model).__name__} has none")
+        # the model's softmax scale, the same in every layer: known before any forward, so a cache loaded from a
+        # stored context evicts at its first decode step as it would have in the process that compressed it
+        self.scaling = layout.attention_modules[layout.compressed_layers[0]].scaling
 
     def observed_queries(self, new_valid: torch.Tensor, replay: bool) -> torch.Tensor | None:
         return new_valid if new_valid.shape[-1] > 1 and not replay else None
 
-    def attend(self, call: AttentionCall, state) -> tuple[None, None]:
+    def attend(self, call: AttentionCall, layer) -> tuple[None, None]:
         if call.observed is not None:
-            self.scaling = call.scaling  # the model's softmax scale, the same in every layer
-            state.statistics.update(self._statistics(call))
+            layer.statistics.update(self._statistics(call))
         return None, None
 
     def _statistics(self, call: AttentionCall) -> dict[str, torch.Tensor]:
@@ -72,17 +75,17 @@ class ExpectedAttention(Scorer):
             covariance = torch.zeros_like(covariance)
         return {"mean": mean, "covariance": covariance}
 
-    def eviction_scores(self, state, keys, values, slot_valid) -> torch.Tensor:
+    def eviction_scores(self, layer, keys, values, slot_valid) -> torch.Tensor:
         batch, kv_heads, total, head_dim = keys.shape
-        if "mean" not in state.statistics:  # no multi-token forward yet (a one-token prompt): no information
+        if "mean" not in layer.statistics:  # no multi-token forward yet (a one-token prompt): no information
             return torch.zeros(batch, kv_heads, total, device=keys.device)
         scale = self.scaling
-        mean = state.statistics["mean"].view(batch, kv_heads, -1, head_dim)  # (B, H_kv, G, d)
-        covariance = state.statistics["covariance"].view(batch, kv_heads, -1, head_dim, head_dim)
+        mean = layer.statistics["mean"].view(batch, kv_heads, -1, head_dim)  # (B, H_kv, G, d)
+        covariance = layer.statistics["covariance"].view(batch, kv_heads, -1, head_dim, head_dim)
         keys = keys.float()
         logits = scale * torch.einsum("bkgd,bktd->bkgt", mean, keys)
         logits += (scale * scale / 2) * torch.einsum("bktd,bkgde,bkte->bkgt", keys, covariance, keys)
-        sink = by_head(state.true_positions) < N_SINK  # (B, H_kv or 1, T)
+        sink = by_head(layer.true_positions) < N_SINK  # (B, H_kv or 1, T)
         scored = slot_valid[:, None] & ~sink
         logits.masked_fill_(~scored[:, :, None, :], float("-inf"))
         scores = torch.softmax(logits, dim=-1).nan_to_num_(0.0).mean(2)  # (B, H_kv, T)

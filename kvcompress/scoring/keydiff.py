@@ -15,7 +15,7 @@ from .base import Scorer
 class KeyDiff(Scorer):
     name = "keydiff"
 
-    def eviction_scores(self, state, keys, values, slot_valid) -> torch.Tensor:
+    def eviction_scores(self, layer, keys, values, slot_valid) -> torch.Tensor:
         unit = torch.nn.functional.normalize(keys.float(), dim=-1)  # (B, H_kv, T, d)
         live = slot_valid[:, None, :, None].to(unit.dtype)
         anchor = (unit * live).sum(2) / live.sum(2).clamp(min=1.0)  # (B, H_kv, d)

@@ -15,5 +15,5 @@ from .base import Scorer
 class Knorm(Scorer):
     name = "knorm"
 
-    def eviction_scores(self, state, keys, values, slot_valid) -> torch.Tensor:
+    def eviction_scores(self, layer, keys, values, slot_valid) -> torch.Tensor:
         return -torch.linalg.vector_norm(keys.float(), dim=-1)

@@ -39,7 +39,7 @@ class KVzap(Scorer):
     def bind(self, model, tokenizer) -> None:
         self.surrogate = surrogate.for_model(model, self.settings["weights"])
 
-    def attend(self, call: AttentionCall, state) -> tuple[torch.Tensor | None, None]:
+    def attend(self, call: AttentionCall, layer) -> tuple[torch.Tensor | None, None]:
         if call.hidden_states is None:
             raise RuntimeError(f"kvcompress: layer {call.module.layer_idx}'s attention call came without its hidden "
                                "states (method='kvzap' reads them through a pre-hook on the attention module)")

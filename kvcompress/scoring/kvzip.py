@@ -82,7 +82,7 @@ class KVzip(Scorer):
         # A prompt's own queries are not observed: its slots are scored by the reconstruction that follows it.
         return new_valid if replay or new_valid.shape[-1] == 1 else None
 
-    def attend(self, call: AttentionCall, state) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def attend(self, call: AttentionCall, layer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if call.observed is None:
             return None, None
         if (call.length > 1 and call.all_live and call.may_fuse and not call.softcap and call.keys.device.type == "cpu"

@@ -26,7 +26,7 @@ class TOVA(Scorer):
     def first_observed(self, length: int) -> int:
         return length - 1  # left padding: the last position is always a real token
 
-    def attend(self, call: AttentionCall, state) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def attend(self, call: AttentionCall, layer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         summed, output = observed_attention(
             call.queries, call.keys, call.slot_valid, call.observed, call.scaling, softcap=call.softcap,
             values=call.values if call.may_fuse and call.length == 1 else None, all_live=call.all_live,

@@ -19,7 +19,7 @@ from .windows import adaptive_scored_units, global_scored_units, left_aligned_in
 
 if TYPE_CHECKING:
     from ..budget import BudgetPlan
-    from ..cache import CompressedLayer
+    from ..layer import CompressedLayer
     from ..scoring.base import Scorer
 
 
@@ -36,15 +36,14 @@ def evict(layers: list[tuple[nn.Module, CompressedLayer]], scorer: Scorer, plan:
     ``"global_adaptive"`` every (layer, head) of a sequence competes for the total instead. ``inv_freq``: the
     rotary frequencies, where the parameters rerotate kept keys to compact positions. ``timings`` collects the
     seconds of selection and compaction. ``decoding`` (a decode step's eviction): with head-wise allocations each
-    head keeps the scored area the last prompt's competition gave it (``LayerState.head_units``), so a long
+    head keeps the scored area the last prompt's competition gave it (``CompressedLayer.head_units``), so a long
     generation holds the prompt's budget, split as the prompt split it.
     """
     timings = timings if timings is not None else {}
     parameters = plan.parameters
     started = time.perf_counter()
-    states = [layer.state for _, layer in layers]
-    scores = [scorer.eviction_scores(layer.state, layer.keys, layer.values, layer.state.slot_valid)
-              for _, layer in layers]
+    states = [layer for _, layer in layers]
+    scores = [scorer.eviction_scores(layer, layer.keys, layer.values, layer.slot_valid) for layer in states]
     adaptive = parameters.heads_share_budget
     # a folded layer's slots as per-head rows (ragged.head_grid); every other layer's rows are its slots
     grids = [head_grid(state.slot_head, state.slot_valid, state.folded_heads) if state.folded_heads else None

@@ -37,8 +37,8 @@ def test_prompt_and_decoded_tokens_are_scored_by_their_own_hidden_states(arch):
                              return_dict_in_generate=True)
     reference = kvzap_reference_scores(model, out.sequences[:, :-1], arch)  # the last token never entered the cache
     for index in reference:
-        state = out.past_key_values.layers[index].state
-        assert state.length == PROMPT + DECODE_STEPS - 1
+        state = out.past_key_values.layers[index]
+        assert state.tracked_slots == PROMPT + DECODE_STEPS - 1
         # kept on KVzip's scale: the predicted score, not its log
         torch.testing.assert_close(state.head_scores[0].double(), reference[index].exp(), rtol=1e-5, atol=1e-7)
 

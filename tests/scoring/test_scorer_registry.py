@@ -46,7 +46,7 @@ sys.path[:0] = [{str(TESTS)!r}, {str(TESTS.parent)!r}]
 import torch
 from kvcompress.scoring.base import Scorer
 from kvcompress.scoring.registry import register
-from kvcompress.state import by_head
+from kvcompress.slots import by_head
 
 
 @register

@@ -50,7 +50,7 @@ def test_scores_decide_which_layer_keeps_more():
     class Favour(SnapKV):
         def eviction_scores(self, state, keys, values, slot_valid):
             scores = super().eviction_scores(state, keys, values, slot_valid)
-            return scores * 1000 if state is session.cache.layers[1].state else scores
+            return scores * 1000 if state is session.cache.layers[1] else scores
 
     model = tiny_model("llama")
     params = scorer_parameters("snapkv", **SIZES)

@@ -37,7 +37,7 @@ def test_pages_and_bounds_during_decoding(method):
             seen = session.cache.get_seq_length()
             for state in session.layers.values():
                 if session.evictions and seen > budget:
-                    length = state.length
+                    length = state.tracked_slots
                     assert budget - GROUP + 1 <= length <= budget + 1, (step, length)
                     if length <= budget:  # right after an eviction
                         _assert_complete_pages(state.true_positions[0].tolist(), seen)
@@ -53,5 +53,5 @@ def test_prefill_cut_matches_contrib_rule():
         model(random_tokens(203), use_cache=True)
         partial = (203 - PARAMS.start_size) % GROUP or GROUP
         for state in session.layers.values():
-            assert state.length == PARAMS.max_cache_size - GROUP + partial
+            assert state.tracked_slots == PARAMS.max_cache_size - GROUP + partial
             _assert_complete_pages(state.true_positions[0].tolist(), 203)

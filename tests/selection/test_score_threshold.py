@@ -47,7 +47,7 @@ def test_a_prompt_keeps_exactly_the_slots_at_or_above_the_threshold(allocation):
         cache = model(ids, use_cache=True).past_key_values
     for index, state in session.layers.items():
         assert set(state.true_positions[0].tolist()) == _expected(best[index], threshold, PROMPT)
-        assert state.length == len(_expected(best[index], threshold, PROMPT)) < PROMPT
+        assert state.tracked_slots == len(_expected(best[index], threshold, PROMPT)) < PROMPT
     kept = sum(len(_expected(scores, threshold, PROMPT)) for scores in best.values()) / (len(best) * PROMPT)
     assert kept_fraction(cache) == pytest.approx(kept)  # every layer of the tiny model is compressed
 
@@ -82,7 +82,7 @@ def test_decoding_drops_what_falls_below_the_threshold():
     with KVCacheCompressor(params)(model):
         out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                              return_dict_in_generate=True)
-    states = {index: layer.state for index, layer in enumerate(out.past_key_values.layers)}
+    states = dict(enumerate(out.past_key_values.layers))
     length = PROMPT + steps - 1  # the last token never enters the cache
     best = _best_head_scores(model, out.sequences[:, :-1])
     assert set(states[0].true_positions[0].tolist()) == _expected(best[0], threshold, length)
@@ -106,7 +106,7 @@ def test_with_slack_the_cache_grows_by_at_most_the_slack_between_evictions():
         for _ in range(15):
             cache = model(token, cache=cache, use_cache=True).past_key_values
             state = session.layers[0]
-            lengths.append((state.length, state.kept_length))
+            lengths.append((state.tracked_slots, state.kept_length))
     assert all(length <= kept + 4 for length, kept in lengths)
     assert len({kept for _, kept in lengths}) > 1  # it evicted while decoding
 

@@ -47,7 +47,7 @@ def test_every_method_runs_from_its_name(method):
     with compress(model, method=method, budget=0.25, tokenizer=TinyTokenizer(), **overrides) as session:
         model.generate(random_tokens(96), max_new_tokens=4, do_sample=False)
     # the session's layers stay readable after the block; a folded (head-wise) layer holds a slot per head and token
-    per_head = [state.length / (state.folded_heads or 1) for state in session.layers.values()]
+    per_head = [state.tracked_slots / (state.folded_heads or 1) for state in session.layers.values()]
     assert len(per_head) == 2 and sum(per_head) <= 2 * (24 + session.parameters.decode_slack)
 
 

@@ -136,13 +136,14 @@ def test_layers_sharing_a_fraction_carry_their_shares_into_the_next_turn():
     back to the uniform area: a layer with a small share then held fewer slots than its new area and took no part
     in the allocation, and the chat kept less than its fraction (KVzap on the default model: 0.172 at 30 turns)."""
     from kvcompress.budget import BudgetPlan, FractionalBudget
-    from kvcompress.state import LayerState
+    from kvcompress.layer import CompressedLayer
 
     fraction = FractionalBudget.of(FRACTION, lambda slots: preset("snapkv", slots, budget_allocation="global"))
     plan = BudgetPlan(fraction.parameters_for(1024), fraction)
     plan.start_sequence(torch.ones(1, 400, dtype=torch.bool), [0, 1])
-    states = {index: LayerState.empty(1, 2, torch.device("cpu")) for index in (0, 1)}
+    states = {index: CompressedLayer() for index in (0, 1)}
     for index, state in states.items():
+        state.start_slots(1, 2, torch.device("cpu"))
         plan.start_layer(state, index)
     uniform = int(states[0].scored_units)  # 80 slots: windows 10 + 20, 50 scored
     states[0].scored_units, states[1].scored_units = torch.tensor([10]), torch.tensor([2 * uniform - 10])

@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvcompress import KVCacheCompressionParameters, KVCacheCompressor
-from kvcompress.cache import CompressedLayer
+from kvcompress.layer import CompressedLayer
 from kvcompress.scoring.registry import SCORERS
 from tiny_models import TinyTokenizer, random_tokens, scorer_parameters, tiny_model
 
