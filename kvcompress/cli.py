@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from . import context_cli
 from .budget import budget_slots, parse_budget
 from .cache import kv_cache_bytes, kv_cache_length
 from .compressor import KVCacheCompressor
@@ -79,14 +80,12 @@ def _compression_options() -> argparse.ArgumentParser:
     return parent
 
 
-def _run_options() -> argparse.ArgumentParser:
+def _model_options() -> argparse.ArgumentParser:
     from .models import DEFAULT_ALIAS, model_names
 
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("--model", choices=[DEFAULT_ALIAS, *model_names()], default=DEFAULT_ALIAS,
                         help="an embedded model (kvcompress.models; default: SmolLM2-135M-Instruct)")
-    parent.add_argument("--question", help="appended to the prompt after a blank line")
-    parent.add_argument("--max-new-tokens", type=positive_int)
     parent.add_argument("--dtype", choices=list(DTYPES), default="auto",
                         help="auto (default): bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX, about "
                              "3x faster there), else float32 (bfloat16 is emulated and 5x slower on AVX2-only CPUs)")
@@ -94,9 +93,16 @@ def _run_options() -> argparse.ArgumentParser:
     return parent
 
 
+def _run_options() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False, parents=[_model_options()])
+    parent.add_argument("--question", help="appended to the prompt after a blank line")
+    parent.add_argument("--max-new-tokens", type=positive_int)
+    return parent
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcompress", description=__doc__.split("\n\n")[1].replace("\n", " "))
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,context}")
     parents = [_compression_options(), _run_options()]
     demo = commands.add_parser("demo", parents=parents, help="full vs compressed cache on a long document",
                                description="Answer a question about a long document with the full and with a "
@@ -109,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt-file", type=Path, required=True, help="a UTF-8 text file: the user message")
     generate.add_argument("--full-cache", action="store_true", help="do not compress (for comparison)")
     generate.set_defaults(max_new_tokens=256)
+    context_cli.add_parser(commands, _model_options())
     return parser
 
 
@@ -318,6 +325,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "context":
+        try:
+            return context_cli.run(args, _load)
+        except ModelUnavailableError as error:
+            print(f"kvcompress: {error}", file=sys.stderr)
+            return 1
+        except (ValueError, KeyError) as error:  # a bad option, an unknown key, a file that cannot be loaded
+            print(f"kvcompress context {args.action}: {str(error).strip(chr(39))}", file=sys.stderr)
+            return 2
     try:
         text = _read_prompt(args)
         _check_options(args)

@@ -67,7 +67,7 @@ def _weights_checksum(weights: list[tuple[str, torch.Tensor]]) -> str:
     for name, weight in weights:
         flat = weight.reshape(-1)
         if flat.numel() > SAMPLE:
-            flat = flat[torch.linspace(0, flat.numel() - 1, SAMPLE, device=flat.device).round().long()]
+            flat = flat[torch.arange(SAMPLE, device=flat.device) * (flat.numel() - 1) // (SAMPLE - 1)]
         digest.update(f"{name}:{tuple(weight.shape)}".encode())
         digest.update(flat.to(device="cpu", dtype=torch.bfloat16).view(torch.int16).numpy().tobytes())
     return digest.hexdigest()
