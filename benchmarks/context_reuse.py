@@ -143,7 +143,8 @@ def compress_phase(args) -> dict:
         "compress_s": compress_s, "save_s": save_s, "file_bytes": os.path.getsize(args.file),
         "kv_bytes": report.kv_bytes, "full_kv_bytes": report.full_kv_bytes, "saved_summary": summary,
         "compression_timings": {k: round(v, 4) for k, v in report.timings.items()},
-        "fingerprint_workaround": workaround, "answer_ids": answer, "answer": tokenizer.decode(answer, skip_special_tokens=True).strip(),
+        "fingerprint_workaround": workaround, "answer_ids": answer,
+        "answer": tokenizer.decode(answer, skip_special_tokens=True).strip(),
     }
 
 

@@ -4,7 +4,8 @@ Both protocols of the KV-compression literature run through here. When the promp
 all of it (LongBench, RULER ``query_aware``), the whole prompt goes to ``model.generate`` inside the compressor,
 so the question is seen when the prompt is compressed. When it covers the context only (RULER ``context_first``,
 kvpress's leaderboard protocol), ``session.prefill`` compresses the context first and ``session.generate`` reads
-the question and answers on the compressed context. The full cache runs the whole prompt through plain
+the question and answers on the compressed context (a setting with a ``context_store`` loads the context, compressed
+once into the store, afresh for every question). The full cache runs the whole prompt through plain
 ``generate`` either way: with nothing evicted the two protocols compute the same thing. A setting with a
 ``prefill_chunk_size`` prefills in chunks through ``session.prefill``: the context (``context_first``), or the
 whole prompt but its last token, which then opens the answer (``query_aware``).
@@ -80,8 +81,13 @@ def generate(model: Any, tokenizer: Any, setting: CompressionSetting, prompt: Pr
         raise ValueError(f"the context-first protocol does not take the generation option(s) {unsupported}")
     prefill_length = prompt.prefill_length if prompt.context_first else ids.shape[1] - 1
     context, question = ids[:, :prefill_length], ids[:, prefill_length:]
-    with setting.compression(model, tokenizer) as session:
-        cache = session.prefill(context, chunk_size=setting.prefill_chunk_size)
+    if setting.context_store is not None and not prompt.context_first:
+        raise ValueError(f"setting {setting.name!r}: context_store serves the context-first protocol, where the "
+                         "context is compressed before the question")
+    stored = setting.context_store is not None
+    session = setting.stored_context(model, tokenizer, context) if stored else setting.compression(model, tokenizer)
+    with session:
+        cache = session.context[0] if stored else session.prefill(context, chunk_size=setting.prefill_chunk_size)
         kv_bytes, full_kv_bytes = cache_bytes(cache, prefill_length)
         answer = session.generate(question, max_new_tokens=options["max_new_tokens"],
                                   eos_token_id=options.get("eos_token_id"))

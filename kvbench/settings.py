@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, check_integer, check_mapping, check_name, check_string, no_unknown_keys, type_name
@@ -20,7 +21,10 @@ class CompressionSetting:
     None (the full cache, or explicit parameters). ``parameters`` are kvcompress's parameters when they do not
     depend on the prompt (an integer budget or explicit fields), else None; ``overrides`` are the fields the
     setting gives on top of the method's preset. ``prefill_chunk_size`` feeds the compressed tokens that many at a
-    time, back to the budget after each chunk (``session.prefill(..., chunk_size=)``).
+    time, back to the budget after each chunk (``session.prefill(..., chunk_size=)``). ``context_store`` (a folder
+    or fsspec URL; the context-first protocol): each record's context is compressed once into that
+    ``kvcompress.ContextStore`` and every question is answered from a fresh load of it, as a service that stores
+    contexts would; the predictions are those of the setting without it, so it is not part of the pipeline record.
     """
 
     name: str
@@ -29,6 +33,7 @@ class CompressionSetting:
     parameters: Any = None  # a kvcompress KVCacheCompressionParameters, or None
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     prefill_chunk_size: int | None = None
+    context_store: str | None = None
 
     @property
     def is_full_cache(self) -> bool:
@@ -44,6 +49,16 @@ class CompressionSetting:
         if self.parameters is not None:
             return CompressionSession(model, self.parameters, tokenizer)
         return compress(model, self.method, self.budget, tokenizer, **self.overrides)
+
+    def stored_context(self, model: Any, tokenizer: Any, context_ids: Any) -> Any:
+        """A session holding ``context_ids`` compressed by this setting, loaded afresh from its ``context_store``
+        (compressed into it first where it is missing)."""
+        from kvcompress import ContextStore
+
+        store = ContextStore(self.context_store)
+        options = dict(method=self.method, budget=self.budget, chunk_size=self.prefill_chunk_size, **self.overrides)
+        store.get_or_compress(model, context_ids, tokenizer=tokenizer, **options)
+        return store.load(model, store.key_for(model, context_ids, **options), tokenizer)
 
     def parameters_for(self, prompt_tokens: int) -> dict[str, Any] | None:
         """The parameters a fractional budget gives a prompt of ``prompt_tokens`` (None for a setting whose
@@ -128,14 +143,14 @@ def budget_label(budget: int | float) -> str:
     return str(budget) if isinstance(budget, int) else f"{budget:g}"
 
 
-def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
+def _parse_setting(entry: Any, key: str, base_dir: Path) -> list[CompressionSetting]:
     if entry in ("none", "full"):
         return [CompressionSetting("full", "none", None)]
     from kvcompress.parameters import RENAMED_KEYS, renamed
 
     section = check_mapping(entry, key)
-    no_unknown_keys(section, {"name", "budget", "budgets", "prefill_chunk_size", *RENAMED_KEYS} | _parameter_fields(),
-                    key)
+    no_unknown_keys(section, {"name", "budget", "budgets", "prefill_chunk_size", "context_store", *RENAMED_KEYS}
+                    | _parameter_fields(), key)
     try:
         section = renamed(section, f"{key}.")
     except ValueError as error:
@@ -144,10 +159,17 @@ def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
     name = check_name(section.pop("name"), f"{key}.name") if "name" in section else None
     chunk = section.pop("prefill_chunk_size", None)
     chunk = None if chunk is None else check_integer(chunk, f"{key}.prefill_chunk_size", 1)
+    store = section.pop("context_store", None)
+    if store is not None:
+        store = check_string(store, f"{key}.context_store")
+        store = store if "://" in store else str(base_dir / store)  # a folder: relative to the config, as others
     if method == "none":
-        if section:
-            raise ConfigError(f"{key}.{sorted(section)[0]}: method 'none' (the full cache) takes only a name")
+        if section or store is not None:
+            extra = sorted(section)[0] if section else "context_store"
+            raise ConfigError(f"{key}.{extra}: method 'none' (the full cache) takes only a name")
         return [CompressionSetting(name or "full", "none", None)]
+    if store is not None and "budget" not in section and "budgets" not in section:
+        raise ConfigError(f"{key}.context_store: needs a budget (a store compresses by method and budget)")
     if "budget" in section and "budgets" in section:
         raise ConfigError(f"{key}: give either budget or budgets, not both")
     if "budgets" in section:
@@ -169,16 +191,17 @@ def _parse_setting(entry: Any, key: str) -> list[CompressionSetting]:
         stem = name or (method if chunk is None else f"{method}-chunk{chunk}")
         label = name if name is not None and "budgets" not in entry else f"{stem}-{budget_label(size)}"
         fixed = parameters if not isinstance(budget, float) else None  # a fraction is resolved per prompt
-        settings.append(CompressionSetting(label, method, size, fixed, dict(section), chunk))
+        settings.append(CompressionSetting(label, method, size, fixed, dict(section), chunk, store))
     return settings
 
 
-def parse_settings(value: Any) -> tuple[CompressionSetting, ...]:
+def parse_settings(value: Any, base_dir: Path = Path(".")) -> tuple[CompressionSetting, ...]:
+    """The ``compression`` list of a config; ``base_dir``: the config's folder, which relative paths start from."""
     if not isinstance(value, list) or not value:
         raise ConfigError(f"compression: must be a non-empty list of settings, got {value!r}")
     settings: list[CompressionSetting] = []
     for index, entry in enumerate(value):
-        for setting in _parse_setting(entry, f"compression[{index}]"):
+        for setting in _parse_setting(entry, f"compression[{index}]", base_dir):
             if any(other.name == setting.name for other in settings):
                 raise ConfigError(f"compression[{index}]: setting name {setting.name!r} is used twice")
             settings.append(setting)

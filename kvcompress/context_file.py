@@ -174,6 +174,7 @@ def write_atomically(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
         aside = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
         try:
             save_file(tensors, aside, metadata=metadata)
+            os.chmod(aside, 0o666 & ~_umask())  # readable as any new file is: a store is shared
             with open(aside, "rb") as handle:
                 os.fsync(handle.fileno())
             os.replace(aside, path)
@@ -188,6 +189,12 @@ def write_atomically(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
         return
     filesystem.makedirs(filesystem._parent(path), exist_ok=True)
     filesystem.pipe_file(path, save(tensors, metadata=metadata))  # one request: the object appears whole
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _filesystem(target: str):

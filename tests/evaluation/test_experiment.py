@@ -181,3 +181,16 @@ def test_a_generators_tokenizer_folder_is_recorded_as_the_config_writes_it(tmp_p
                             lengths=[512], max_length=None, data={"generate": {"tokenizer": "tokenizer", "samples": 2}})
         recorded.add(experiment.benchmark.pipeline(experiment.options)["data"])
     assert recorded == {"generated:tokenizer seed 42, 2 samples"}
+
+
+def test_a_context_store_is_checked_and_found_from_the_config(tmp_path, make_config):
+    stored = {"method": "kvzip", "budget": 0.2, "context_store": "store"}
+    [setting] = _parse(tmp_path, make_config, compression=[stored]).settings
+    assert setting.context_store == str(tmp_path / "store")
+    assert "context_store" not in setting.describe()  # the same predictions as without it: resumable either way
+    url = _parse(tmp_path, make_config, compression=[{**stored, "context_store": "memory://contexts"}]).settings
+    assert url[0].context_store == "memory://contexts"
+    with pytest.raises(ConfigError, match=r"^compression\[0\]\.context_store: needs a budget"):
+        _parse(tmp_path, make_config, compression=[{"method": "kvzip", "context_store": "store"}])
+    with pytest.raises(ConfigError, match=r"method 'none' \(the full cache\) takes only a name"):
+        _parse(tmp_path, make_config, compression=[{"method": "none", "context_store": "store"}])

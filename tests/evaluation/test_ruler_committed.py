@@ -52,3 +52,27 @@ def test_full_cache_scores_of_the_committed_run_reproduce(tmp_path):
     assert len(answers) == RECORDS
     if default_dtype() == torch.bfloat16:
         assert answers == [line["pred"] for line in committed]
+
+
+@pytest.mark.slow
+def test_a_context_store_scores_as_the_context_first_protocol_on_the_default_model(tmp_path):
+    """KVzip at 20 % on the committed run's first records, compressed in the process and from a context store
+    (every question answered from a fresh load of its stored context): the same answers, so the same scores."""
+    config = yaml.safe_load(CONFIG.read_text(encoding="utf-8"))
+    store = str(tmp_path / "store")
+    config.update(output_dir=str(tmp_path / "out"), tasks=[TASK], limit=2, compression=[
+        {"name": "kvzip", "method": "kvzip", "budget": 0.2},
+        {"name": "kvzip-stored", "method": "kvzip", "budget": 0.2, "context_store": store}])
+    config["data"] = {"folder": str(COMMITTED / "data")}
+    path = tmp_path / "smollm2-2k.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+
+    assert main(["run", str(path)]) == 0
+
+    settings = json.loads((tmp_path / "out" / "scores.json").read_text())["settings"]
+    assert [setting["name"] for setting in settings] == ["kvzip", "kvzip-stored"]
+    assert settings[0]["scores"] == settings[1]["scores"]
+    key = f"{TASK}_2048"
+    answers = [[json.loads(line)["pred"] for line in (tmp_path / "out" / name / "pred" / f"{key}.jsonl")
+                .read_text().splitlines()] for name in ("kvzip", "kvzip-stored")]
+    assert answers[0] == answers[1] and len(answers[0]) == 2

@@ -271,3 +271,19 @@ def test_predictions_of_an_earlier_preset_are_not_resumed(tmp_path, make_ruler_c
     monkeypatch.setattr(SnapKV, "reference_selection", {"start_size": 4})
     assert main(["predict", str(config)]) == 2
     assert "were made with different ['parameters_at_100k_tokens']" in capsys.readouterr().err
+
+
+def test_a_context_store_answers_as_the_context_first_protocol(tmp_path, make_ruler_config):
+    """Contexts compressed once into a store, each question answered from a fresh load: the same predictions and
+    bytes as compressing in the process, one entry per record, and a rerun loads them all (nothing compressed)."""
+    settings = [{"name": "in-process", "method": "snapkv", "budget": 0.5, "window_size": 4},
+                {"name": "stored", "method": "snapkv", "budget": 0.5, "window_size": 4, "context_store": "store"}]
+    config = make_ruler_config(tmp_path, tasks=["niah_single_1"], compression=settings)
+    assert main(["run", str(config)]) == 0
+    in_process, stored = (_lines(tmp_path / "out", name, "niah_single_1") for name in ("in-process", "stored"))
+    assert [(line["pred"], line["kv_bytes"]) for line in stored] == [(line["pred"], line["kv_bytes"])
+                                                                    for line in in_process]
+    from kvcompress import ContextStore
+
+    entries = ContextStore(str(tmp_path / "store")).list()  # relative to the config's folder
+    assert len(entries) == len(stored)
