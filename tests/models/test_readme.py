@@ -78,3 +78,22 @@ def test_document_once_questions_after_runs(capsys):
     answers = capsys.readouterr().out.strip().splitlines()
     assert len(answers) == 2 and all(answers), answers
     assert "Trondheim" in answers[1], answers
+
+
+@pytest.mark.slow
+def test_store_and_reuse_a_context_runs(tmp_path, monkeypatch, capsys):
+    """The stored document answers after a load as the session that compressed it would."""
+    question = 'ask("Where will the factory be built?"'
+    code = _readme_code("**Store a compressed document", (question, question + ", max_new_tokens=12"))
+    from kvcompress.models import load_default_model
+
+    monkeypatch.chdir(tmp_path)
+    model, tokenizer = load_default_model()
+    document = ("The annual report was written by Ada Lund. " + "Sales grew steadily across the region. " * 40
+                + "The new battery factory will be built in Trondheim. " + "Costs were kept under control. " * 40)
+    namespace = {"kvcompress": __import__("kvcompress"), "model": model, "tokenizer": tokenizer,
+                 "long_text": document}
+    exec(compile(code, str(README), "exec"), namespace)
+    assert (tmp_path / "report.kvc.safetensors").exists()
+    answer = capsys.readouterr().out.strip()
+    assert "Trondheim" in answer, answer
