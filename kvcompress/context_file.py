@@ -82,7 +82,7 @@ def context_contents(session: CompressionSession) -> tuple[dict[str, torch.Tenso
     metadata = {
         "format": FORMAT, "format_version": str(FORMAT_VERSION), "kvcompress_version": __version__,
         "model": _json({**model_identity(session.model), "name_or_path": getattr(session.model, "name_or_path", "")}),
-        "dtype": str(cache.layers[session.compressed_layers[0]].keys.dtype).removeprefix("torch."),
+        "dtype": str(next(layer.keys.dtype for layer in cache.layers if layer.keys is not None)).removeprefix("torch."),
         "recipe": _json(session.recipe, "the session's compression options"),
         "plan": _json(plan_facts), "layers": _json(layers), "encodings": _json(encodings),
         "document": _json(None if document is None else vars(document)),

@@ -3,7 +3,7 @@
 Run as ``python kill_writer.py FOLDER TRIALS SEED`` with two context files ``a.safetensors`` and ``b.safetensors``
 in FOLDER. For each trial a forked child writes them in turn to ``FOLDER/store/<key>.safetensors`` (the store's
 publishing path, ``context_file.write_atomically``) until it is killed with SIGKILL after a random delay (up to
-2.5 writes' time); the parent then reads the entry back (format and checksum verified). Prints one JSON line: per
+4 writes' time); the parent then reads the entry back (format and checksum verified). Prints one JSON line: per
 trial, "a", "b" (a whole file of either), "none" (no file yet) or the error a partial entry gave. A writer that
 writes the entry in place, in 64 KB pieces, fails this way in about a quarter of the trials (5 of 20, measured).
 """
@@ -32,7 +32,7 @@ for trial in range(trials):
         while True:
             for metadata, tensors in sources:
                 write_atomically(tensors, metadata, entry)
-    time.sleep(random.uniform(0.0, 2.5 * duration))
+    time.sleep(random.uniform(0.0, 4 * duration))
     os.kill(child, signal.SIGKILL)
     os.waitpid(child, 0)
     if not os.path.exists(entry):

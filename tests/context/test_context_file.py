@@ -21,9 +21,9 @@ import torch
 from safetensors import safe_open
 
 import kvcompress
-from kvcompress.context_file import FORMAT_VERSION, _checksum, write_atomically
+from kvcompress.context_file import FORMAT_VERSION, _checksum, read_context, write_atomically
 from kvcompress.scoring.registry import SCORERS
-from tiny_models import TinyTokenizer, random_kvzap_weights, random_tokens, tiny_model
+from tiny_models import TINY_CONFIGS, TinyTokenizer, random_kvzap_weights, random_tokens, tiny_model
 
 CONTEXT, QUESTION, TURN, ANSWER, TURN_ANSWER = 160, 7, 30, 6, 24
 HERE = Path(__file__).parent
@@ -45,6 +45,7 @@ LAYOUTS = {
     "score_threshold": ("llama", "kvzap", 48, {"score_threshold": 0.9, "decode_slack": 0}, None),
     "chunked prefill": ("llama", "kvzip", 0.2, {}, 48),
     "rerotated keys": ("llama", "snapkv", 48, {"rerotate_keys": True, "decode_slack": 2}, None),
+    "evicting at every decode step": ("qwen2", "h2o", 48, {"decode_slack": 0}, None),
     "per_group pages": ("mistral", "tova", 64, {"strategy": "per_group", "group_size": 8}, None),
     "criticalkv": ("phi3", "snapkv", 48, {"refined_algorithm": "criticalkv", "refined_size": 8}, None),
 }
@@ -99,6 +100,28 @@ def test_every_layout_continues_exactly_after_a_load(layout, tmp_path):
     session = _session(model, method, budget, overrides, arch)
     saved, loaded, _ = _round_trip(model, session, tmp_path, random_tokens(CONTEXT, seed=1), chunk=chunk)
     _assert_same(saved, loaded)
+
+
+@pytest.mark.parametrize("arch", list(TINY_CONFIGS))
+def test_every_architecture_continues_exactly_after_a_load(arch, tmp_path):
+    model = tiny_model(arch)
+    session = _session(model, "kvzip", 0.2, {})
+    saved, loaded, _ = _round_trip(model, session, tmp_path, random_tokens(CONTEXT, seed=1))
+    _assert_same(saved, loaded)
+
+
+def test_a_loaded_session_saves_the_same_file(tmp_path):
+    """Saving what was loaded, before any use, writes the same metadata and tensors: nothing is lost on the way."""
+    model = tiny_model("gemma3")
+    session = _session(model, "kvzip", 0.2, {})
+    with session:
+        session.prefill(random_tokens(CONTEXT, seed=1))
+    session.save(tmp_path / "first.safetensors")
+    kvcompress.load(model, tmp_path / "first.safetensors", TinyTokenizer()).save(tmp_path / "second.safetensors")
+    first, second = (read_context(tmp_path / name) for name in ("first.safetensors", "second.safetensors"))
+    assert first[0] == second[0]  # the metadata (the safetensors writer orders its entries as it likes)
+    assert first[1].keys() == second[1].keys()
+    assert all(torch.equal(first[1][name], second[1][name]) for name in first[1])
 
 
 @pytest.mark.parametrize("method", list(SCORERS))

@@ -140,9 +140,9 @@ def test_killed_writers_leave_the_previous_entry_or_none(tmp_path):
     assert run.returncode == 0, run.stderr
     outcomes = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(outcomes) == 20 and set(outcomes) <= {"a", "b", "none"}, outcomes
-    assert {"a", "b"} & set(outcomes)
+    assert {"a", "b"} & set(outcomes), outcomes  # some kills came after a whole write
     entries = ContextStore(str(tmp_path / "store")).list()
-    assert len(entries) == 1 and entries[0].tokens == 4000
+    assert len(entries) == 1 and entries[0].tokens == 4000, (entries, outcomes)
 
 
 def test_two_processes_adding_one_key_leave_one_readable_entry(tmp_path):
