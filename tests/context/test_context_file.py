@@ -57,6 +57,14 @@ def _session(model, method, budget, overrides, arch="llama"):
     return kvcompress.compress(model, method, budget, tokenizer=TinyTokenizer(), **overrides)
 
 
+def _prefilled(model, method: str = "kvzip", length: int = CONTEXT, budget: float = 0.2):
+    """A session of ``method`` at ``budget`` that prefilled ``length`` random tokens (seed 1)."""
+    session = _session(model, method, budget, {})
+    with session:
+        session.prefill(random_tokens(length, seed=1))
+    return session
+
+
 def _continuations(model, session, mask=None):
     """A question's answer, then a chat turn and its answer after the context (plain generate, a copy of it)."""
     question, turn = random_tokens(QUESTION, seed=2), random_tokens(TURN, seed=3)
@@ -113,10 +121,7 @@ def test_every_architecture_continues_exactly_after_a_load(arch, tmp_path):
 def test_a_loaded_session_saves_the_same_file(tmp_path):
     """Saving what was loaded, before any use, writes the same metadata and tensors: nothing is lost on the way."""
     model = tiny_model("gemma3")
-    session = _session(model, "kvzip", 0.2, {})
-    with session:
-        session.prefill(random_tokens(CONTEXT, seed=1))
-    session.save(tmp_path / "first.safetensors")
+    _prefilled(model).save(tmp_path / "first.safetensors")
     kvcompress.load(model, tmp_path / "first.safetensors", TinyTokenizer()).save(tmp_path / "second.safetensors")
     first, second = (read_context(tmp_path / name) for name in ("first.safetensors", "second.safetensors"))
     assert first[0] == second[0]  # the metadata (the safetensors writer orders its entries as it likes)
@@ -146,10 +151,7 @@ def test_bfloat16_and_a_padded_batch_continue_exactly(tmp_path):
 def test_the_file_holds_the_kept_bytes_and_little_else(tmp_path):
     """The file is the kept keys and values plus their state, compacted: within 5 % of the KV bytes on a layout
     whose state is the largest share (per-head positions; tiny heads make the share larger than real models')."""
-    model = tiny_model("llama")
-    session = _session(model, "snapkv", 0.25, {})
-    with session:
-        session.prefill(random_tokens(2000, seed=1))
+    session = _prefilled(tiny_model("llama"), "snapkv", 2000, 0.25)
     summary = session.save(tmp_path / "c.safetensors")
     assert summary["kv_bytes"] == session.report().kv_bytes
     assert os.path.getsize(tmp_path / "c.safetensors") <= 1.05 * summary["kv_bytes"] + 16_384  # the header's JSON
@@ -158,9 +160,7 @@ def test_the_file_holds_the_kept_bytes_and_little_else(tmp_path):
 def test_a_plain_generate_continues_from_the_file(tmp_path):
     """Ids that begin with the stored context's: ``generate`` on ``context_cache()`` equals the in-memory cache's."""
     model = tiny_model("llama")
-    session = _session(model, "kvzip", 0.2, {})
-    with session:
-        session.prefill(random_tokens(CONTEXT, seed=1))
+    session = _prefilled(model)
     session.save(tmp_path / "c.safetensors")
     ids = torch.cat([random_tokens(CONTEXT, seed=1), random_tokens(QUESTION, seed=2)], -1)
     answers = []
@@ -214,11 +214,8 @@ def _assert_untouched(model, before):
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory):
     model = tiny_model("llama")
-    session = _session(model, "kvzip", 0.2, {})
-    with session:
-        session.prefill(random_tokens(CONTEXT, seed=1))
     path = tmp_path_factory.mktemp("stored") / "context.safetensors"
-    session.save(path)
+    _prefilled(model).save(path)
     return model, path
 
 

@@ -64,9 +64,9 @@ def test_threshold_example_keeps_less_than_its_budget():
     assert 0 < namespace["kept"] < 0.5  # the budget (half the prompt) is a cap the threshold stays under
 
 
-@pytest.mark.slow
-def test_document_once_questions_after_runs(capsys):
-    code = _readme_code("**Compress a document once", ("max_new_tokens=64", "max_new_tokens=12"))
+def _run_on_the_report(heading: str, short_answer: tuple[str, str]) -> None:
+    """Run the README's block after ``heading`` on a made-up report whose factory is built in Trondheim."""
+    code = _readme_code(heading, short_answer)
     from kvcompress.models import load_default_model
 
     model, tokenizer = load_default_model()
@@ -75,6 +75,11 @@ def test_document_once_questions_after_runs(capsys):
     namespace = {"kvcompress": __import__("kvcompress"), "model": model, "tokenizer": tokenizer,
                  "long_text": document}
     exec(compile(code, str(README), "exec"), namespace)
+
+
+@pytest.mark.slow
+def test_document_once_questions_after_runs(capsys):
+    _run_on_the_report("**Compress a document once", ("max_new_tokens=64", "max_new_tokens=12"))
     answers = capsys.readouterr().out.strip().splitlines()
     assert len(answers) == 2 and all(answers), answers
     assert "Trondheim" in answers[1], answers
@@ -84,16 +89,8 @@ def test_document_once_questions_after_runs(capsys):
 def test_store_and_reuse_a_context_runs(tmp_path, monkeypatch, capsys):
     """The stored document answers after a load as the session that compressed it would."""
     question = 'ask("Where will the factory be built?"'
-    code = _readme_code("**Store a compressed document", (question, question + ", max_new_tokens=12"))
-    from kvcompress.models import load_default_model
-
     monkeypatch.chdir(tmp_path)
-    model, tokenizer = load_default_model()
-    document = ("The annual report was written by Ada Lund. " + "Sales grew steadily across the region. " * 40
-                + "The new battery factory will be built in Trondheim. " + "Costs were kept under control. " * 40)
-    namespace = {"kvcompress": __import__("kvcompress"), "model": model, "tokenizer": tokenizer,
-                 "long_text": document}
-    exec(compile(code, str(README), "exec"), namespace)
+    _run_on_the_report("**Store a compressed document", (question, question + ", max_new_tokens=12"))
     assert (tmp_path / "report.kvc.safetensors").exists()
     answer = capsys.readouterr().out.strip()
     assert "Trondheim" in answer, answer
