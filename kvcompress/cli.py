@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvcompress: {error}", file=sys.stderr)
             return 1
         except (ValueError, KeyError) as error:  # a bad option, an unknown key, a file that cannot be loaded
-            print(f"kvcompress context {args.action}: {str(error).strip(chr(39))}", file=sys.stderr)
+            message = error.args[0] if isinstance(error, KeyError) else str(error)  # KeyError's str() quotes it
+            print(f"kvcompress context {args.action}: {message}", file=sys.stderr)
             return 2
     try:
         text = _read_prompt(args)

@@ -96,3 +96,34 @@ def test_generate_own_prompt(tmp_path, capsys):
     slots = int(re.search(r"cache (\d+) slots per layer", captured.err).group(1))
     assert slots <= 16 + 16  # the budget plus at most decode_slack: the prompt really was compressed
     assert "cache" in captured.err and "prefill" in captured.err
+
+
+def test_context_commands_name_what_is_wrong(tmp_path, capsys):
+    store = ["--store", str(tmp_path / "store")]
+    assert cli.main(["context", "ls", *store]) == 0
+    assert "0 contexts in" in capsys.readouterr().err
+    assert cli.main(["context", "rm", "00ff", *store]) == 2
+    assert "kvcompress context rm: no context '00ff'" in capsys.readouterr().err
+    assert cli.main(["context", "rm", "../x", *store]) == 2
+    assert "key must be a context key" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["context", "add", "doc.txt", "--budget", "0", *store])
+    assert "budget must be" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@needs_model
+def test_context_add_then_ask_from_another_invocation(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVCOMPRESS_STORE", str(tmp_path / "store"))
+    document = tmp_path / "report.txt"
+    document.write_text("The new battery factory will be built in Trondheim, the board decided. "
+                        + "Sales grew steadily across the region. " * 30, encoding="utf-8")
+    assert cli.main(["context", "add", str(document), "--budget", "50%"]) == 0
+    captured = capsys.readouterr()
+    key = captured.out.strip()
+    assert re.fullmatch(r"[0-9a-f]{32}", key) and "kept of" in captured.err
+    assert cli.main(["context", "ask", key, "Where will the factory be built?", "--max-new-tokens", "12"]) == 0
+    assert "Trondheim" in capsys.readouterr().out
+    assert cli.main(["context", "ls"]) == 0 and key in capsys.readouterr().out
+    assert cli.main(["context", "rm", key]) == 0
+    assert cli.main(["context", "ls"]) == 0 and key not in capsys.readouterr().out
