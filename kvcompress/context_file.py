@@ -141,16 +141,22 @@ def _encoded(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return stored, encodings
 
 
-def _decoded(tensors: dict[str, torch.Tensor], encodings: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
-    decoded = dict(tensors)
+def _decoded(tensors: dict[str, torch.Tensor], encodings: dict[str, dict[str, Any]],
+             prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors named ``prefix``<name> as they were before ``_encoded``, by their short names: decoded one group
+    (a layer) at a time, so that a load holds one layer's decoded copies at once beside the mapped file."""
+    decoded = {}
+    for name, tensor in tensors.items():
+        if name.startswith(prefix):
+            encoding = encodings.get(name, {})
+            decoded[name[len(prefix):]] = tensor.to(getattr(torch, encoding["dtype"])) if encoding else tensor
     for name, encoding in encodings.items():
-        if "fill" in encoding:
-            decoded[name] = torch.full(encoding["shape"], encoding["fill"], dtype=getattr(torch, encoding["dtype"]))
-        elif "dtype" in encoding:
-            decoded[name] = tensors[name].to(getattr(torch, encoding["dtype"]))
+        if name.startswith(prefix) and "fill" in encoding:
+            decoded[name[len(prefix):]] = torch.full(encoding["shape"], encoding["fill"],
+                                                     dtype=getattr(torch, encoding["dtype"]))
     for name, encoding in encodings.items():
-        if "same_as" in encoding:
-            decoded[name] = decoded[encoding["same_as"]].clone()
+        if name.startswith(prefix) and "same_as" in encoding:
+            decoded[name[len(prefix):]] = decoded[encoding["same_as"][len(prefix):]].clone()
     return decoded
 
 
@@ -256,26 +262,25 @@ def load_context(model: nn.Module, source: str | os.PathLike, tokenizer: Any = N
         raise ContextFileError(f"dtype={target_dtype} differs from the model's {model_dtype}: the cache must be in "
                                "the model's dtype")
     device = torch.device(device) if device is not None else model.device
-    tensors = _decoded(tensors, encodings)
     cache = DynamicCache(config=model.config)
     if len(cache.layers) != len(layers):
         raise ContextFileError(f"{name} holds {len(layers)} layers, the model's cache {len(cache.layers)}")
     for index, facts in enumerate(layers):
-        prefix = f"layers.{index}."
-        layer_tensors = {key[len(prefix):]: _placed(tensor, device, target_dtype, key)
-                         for key, tensor in tensors.items() if key.startswith(prefix)}
+        layer_tensors = {key: _placed(tensor, device, target_dtype, key)
+                         for key, tensor in _decoded(tensors, encodings, f"layers.{index}.").items()}
         cache.layers[index] = _restored_layer(cache.layers[index], layer_tensors, facts)
     from .compressor import session_from_recipe
 
     session = session_from_recipe(model, recipe, tokenizer)
-    session.budget.restore({key[len("plan."):]: tensor.to(device) for key, tensor in tensors.items()
-                            if key.startswith("plan.")}, plan)
-    session.adopt_context(cache, tensors["context.mask"].to(device), tensors["context.ids"].to(device), document)
+    session.budget.restore({key: tensor.to(device) for key, tensor in _decoded(tensors, encodings, "plan.").items()},
+                           plan)
+    context = {key: tensor.to(device) for key, tensor in _decoded(tensors, encodings, "context.").items()}
+    session.adopt_context(cache, context["mask"], context["ids"], document)
     return session
 
 
 def _placed(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, name: str) -> torch.Tensor:
-    if name.endswith((".keys", ".values")):
+    if name in ("keys", "values"):
         return tensor.to(device=device, dtype=dtype)
     return tensor.to(device)
 
