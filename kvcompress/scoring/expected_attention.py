@@ -38,7 +38,7 @@ class ExpectedAttention(Scorer):
                              f"{type(model).__name__} has none")
         # the model's softmax scale, the same in every layer: known before any forward, so a cache loaded from a
         # stored context evicts at its first decode step as it would have in the process that compressed it
-        self.scaling = layout.attention_modules[layout.compressed_layers[0]].scaling
+        self.scaling = next((layout.attention_modules[index].scaling for index in layout.compressed_layers), None)
 
     def observed_queries(self, new_valid: torch.Tensor, replay: bool) -> torch.Tensor | None:
         return new_valid if new_valid.shape[-1] > 1 and not replay else None

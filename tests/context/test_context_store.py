@@ -152,8 +152,8 @@ sys.path.insert(0, {str(HERE.parent)!r})
 from kvcompress import ContextStore
 from tiny_models import random_tokens, tiny_model
 store = ContextStore({str(tmp_path)!r})
-session = store.get_or_compress(tiny_model("llama"), random_tokens(3000, seed=1), method="snapkv", budget=0.9)
-print(store.key_for(tiny_model("llama"), random_tokens(3000, seed=1), "snapkv", 0.9))
+session = store.get_or_compress(tiny_model("llama"), random_tokens(1000, seed=1), method="snapkv", budget=0.9)
+print(store.key_for(tiny_model("llama"), random_tokens(1000, seed=1), "snapkv", 0.9))
 """
     runs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(2)]

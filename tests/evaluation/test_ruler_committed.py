@@ -56,13 +56,14 @@ def test_full_cache_scores_of_the_committed_run_reproduce(tmp_path):
 
 @pytest.mark.slow
 def test_a_context_store_scores_as_the_context_first_protocol_on_the_default_model(tmp_path):
-    """KVzip at 20 % on the committed run's first records, compressed in the process and from a context store
-    (every question answered from a fresh load of its stored context): the same answers, so the same scores."""
+    """KVzap at 20 % (query-agnostic, and the cheapest to compress) on the committed run's first records,
+    compressed in the process and from a context store (every question answered from a fresh load of its stored
+    context): the same answers, so the same scores."""
     config = yaml.safe_load(CONFIG.read_text(encoding="utf-8"))
     store = str(tmp_path / "store")
     config.update(output_dir=str(tmp_path / "out"), tasks=[TASK], limit=2, compression=[
-        {"name": "kvzip", "method": "kvzip", "budget": 0.2},
-        {"name": "kvzip-stored", "method": "kvzip", "budget": 0.2, "context_store": store}])
+        {"name": "kvzap", "method": "kvzap", "budget": 0.2},
+        {"name": "kvzap-stored", "method": "kvzap", "budget": 0.2, "context_store": store}])
     config["data"] = {"folder": str(COMMITTED / "data")}
     path = tmp_path / "smollm2-2k.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
@@ -70,9 +71,9 @@ def test_a_context_store_scores_as_the_context_first_protocol_on_the_default_mod
     assert main(["run", str(path)]) == 0
 
     settings = json.loads((tmp_path / "out" / "scores.json").read_text())["settings"]
-    assert [setting["name"] for setting in settings] == ["kvzip", "kvzip-stored"]
+    assert [setting["name"] for setting in settings] == ["kvzap", "kvzap-stored"]
     assert settings[0]["scores"] == settings[1]["scores"]
     key = f"{TASK}_2048"
     answers = [[json.loads(line)["pred"] for line in (tmp_path / "out" / name / "pred" / f"{key}.jsonl")
-                .read_text().splitlines()] for name in ("kvzip", "kvzip-stored")]
+                .read_text().splitlines()] for name in ("kvzap", "kvzap-stored")]
     assert answers[0] == answers[1] and len(answers[0]) == 2
