@@ -75,18 +75,70 @@ def supports(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | N
     return (on_device or on_cpu) and queries.shape[-1] <= 256
 
 
-def _block_sizes(head_dim: int) -> dict[str, int]:
-    """Rows and keys per program: large blocks for the tensor cores (the column pass holds its keys while the
-    query rows stream past, so more keys per program read the queries fewer times), smaller ones for wide heads
-    (shared memory); small ones under the interpreter, so that the tests' short sequences cross several blocks.
+# Shared memory one thread block may use (the opt-in maximum), bytes: CUDA C++ Programming Guide, "Technical
+# Specifications per Compute Capability", maximum amount of shared memory per thread block (163 KB on sm_80 and
+# sm_87, 99 KB on sm_86, sm_89 and sm_120, 227 KB on sm_90 and sm_100). A launch that asks for more fails.
+SHARED_MEMORY = {
+    (8, 0): 166_912, (8, 6): 101_376, (8, 7): 166_912, (8, 9): 101_376, (9, 0): 232_448, (10, 0): 232_448,
+    (12, 0): 101_376,
+}
+# The blocks of each kernel of the scoring pass, per precision and head width, for devices of at least a given
+# shared memory, largest first (the first a device reaches serves it). Half precision keeps the blocks the
+# benchmarks chose (49,152 B at head dim 128, every listed device holds them); float32 tiles take twice the
+# bytes, so on smaller parts the stages drop to 2, then the blocks shrink (every entry compiled ahead of time for
+# every device above with Triton 3.6 on CPU, its shared memory within the device's: docs/gpu.md has the bytes).
+_GPU_BLOCKS: dict[tuple[bool, bool], list[tuple[int, dict[str, int]]]] = {
+    # (half precision, head dim ≤ 128)
+    (True, True): [(0, dict(forward_rows=128, forward_keys=64, column_keys=128, column_rows=64, warps=8, stages=3))],
+    (True, False): [(0, dict(forward_rows=64, forward_keys=32, column_keys=64, column_rows=32, warps=8, stages=2))],
+    (False, True): [
+        (232_448, dict(forward_rows=128, forward_keys=64, column_keys=128, column_rows=64, warps=8, stages=3)),
+        (166_912, dict(forward_rows=128, forward_keys=64, column_keys=128, column_rows=64, warps=8, stages=2)),
+        (0, dict(forward_rows=64, forward_keys=32, column_keys=64, column_rows=64, warps=4, stages=2)),
+    ],
+    (False, False): [
+        (166_912, dict(forward_rows=64, forward_keys=32, column_keys=64, column_rows=32, warps=8, stages=2)),
+        (0, dict(forward_rows=32, forward_keys=16, column_keys=32, column_rows=32, warps=4, stages=2)),
+    ],
+}
+# small blocks under the interpreter, so that the tests' short sequences cross several blocks
+_INTERPRETER_BLOCKS = dict(forward_rows=32, forward_keys=16, column_keys=16, column_rows=32, warps=4, stages=1)
+# the folded decode step's launch (its blocks fit every listed device in every precision: at most 86,080 B, float32
+# at head dim 256) and the merge of its partials
+DECODE_KEYS, DECODE_WARPS, DECODE_STAGES, MERGE_WARPS = 64, 4, 2, 4
+
+
+def shared_memory(capability: tuple[int, int]) -> int:
+    """The shared memory per block of a device of compute capability ``capability``; an unlisted one (a newer or
+    an older part, a ROCm device's reported capability) gets the smallest listed, whose blocks fit the most."""
+    return SHARED_MEMORY.get(tuple(capability), min(SHARED_MEMORY.values()))
+
+
+def block_sizes(head_dim: int, dtype: torch.dtype, capability: tuple[int, int]) -> dict[str, int]:
+    """Rows and keys per program, warps and pipeline stages of the scoring pass for ``dtype`` inputs of
+    ``head_dim`` on a device of compute capability ``capability``: the largest blocks whose shared memory fits
+    the device's (large blocks for the tensor cores: the column pass holds its keys while the query rows stream
+    past, so more keys per program read the queries fewer times; stages overlap the loads with the products).
     ``BLOCK_OVERRIDES`` replaces any of them (``benchmarks/gpu/kernels.py`` measures the choices)."""
-    if interpreted():
-        sizes = dict(forward_rows=32, forward_keys=16, column_keys=16, column_rows=32, warps=4, stages=1)
-    elif head_dim <= 128:
-        sizes = dict(forward_rows=128, forward_keys=64, column_keys=128, column_rows=64, warps=8, stages=3)
-    else:
-        sizes = dict(forward_rows=64, forward_keys=32, column_keys=64, column_rows=32, warps=8, stages=2)
+    limit = shared_memory(capability)
+    choices = _GPU_BLOCKS[(dtype != torch.float32, head_dim <= 128)]
+    sizes = next(sizes for least, sizes in choices if limit >= least)
     return sizes | BLOCK_OVERRIDES
+
+
+def _launch_sizes(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    """The blocks of this launch: the device's, or the interpreter's small ones."""
+    if interpreted():
+        return _INTERPRETER_BLOCKS | BLOCK_OVERRIDES
+    return block_sizes(head_dim, dtype, _capability(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability (asked once per device); (0, 0), the smallest blocks, off NVIDIA's CUDA."""
+    if device.type == "cuda" and torch.version.hip is None:
+        return torch.cuda.get_device_capability(device)
+    return (0, 0)
 
 
 def fused_attention(
@@ -111,7 +163,7 @@ def fused_attention(
     batch, heads, length, head_dim = queries.shape
     kv_heads, total = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
-    sizes = _block_sizes(head_dim)
+    sizes = _launch_sizes(head_dim, queries.dtype, queries.device)
     forward_rows, column_rows = (row_block,) * 2 if row_block else (sizes["forward_rows"], sizes["column_rows"])
     forward_keys, column_keys = (key_block,) * 2 if key_block else (sizes["forward_keys"], sizes["column_keys"])
     dim_block = max(16, triton.next_power_of_2(head_dim))
@@ -176,7 +228,7 @@ def folded_decode(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     groups = heads // kv_heads
     device = queries.device
     queries, keys, values = (_unit_stride(t) for t in (queries, keys, values))
-    block_keys = 16 if interpreted() else 64
+    block_keys = 16 if interpreted() else DECODE_KEYS
     blocks = dict(BLOCK_M=max(16, triton.next_power_of_2(groups)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
     if chunk is None:
         chunk = _decode_chunk(total, batch, device, block_keys)
@@ -193,12 +245,12 @@ def folded_decode(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(2), values.stride(0), values.stride(2),
         kv_heads, groups, total, head_dim, chunk, splits, scaling * LOG2_E,
         HAS_VALID=not all_live, SCORES=observed is not None, UPCAST=interpreted() or queries.dtype == torch.float32,
-        BLOCK_N=block_keys, num_warps=4, num_stages=2, **blocks,
+        BLOCK_N=block_keys, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, **blocks,
     )
     output = queries.new_empty(batch, 1, heads, head_dim)
     lse = torch.empty(batch, heads, device=device, dtype=torch.float32)
     _merge_splits[(batch * kv_heads,)](part_max, part_sum, part_output, output, lse, groups, head_dim, splits,
-                                       num_warps=4, **blocks)
+                                       num_warps=MERGE_WARPS, **blocks)
     if observed is None:
         return output, None
     # a slot's score: the most any query head of its group gives it, 2^(logit - the row's log-sum-exp)
