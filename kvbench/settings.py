@@ -55,10 +55,8 @@ class CompressionSetting:
         (compressed into it first where it is missing)."""
         from kvcompress import ContextStore
 
-        store = ContextStore(self.context_store)
-        options = dict(method=self.method, budget=self.budget, chunk_size=self.prefill_chunk_size, **self.overrides)
-        store.get_or_compress(model, context_ids, tokenizer=tokenizer, **options)
-        return store.load(model, store.key_for(model, context_ids, **options), tokenizer)
+        return ContextStore(self.context_store).get_or_compress(
+            model, context_ids, self.method, self.budget, tokenizer, self.prefill_chunk_size, **self.overrides)
 
     def parameters_for(self, prompt_tokens: int) -> dict[str, Any] | None:
         """The parameters a fractional budget gives a prompt of ``prompt_tokens`` (None for a setting whose

@@ -86,8 +86,9 @@ class ContextStore:
                         budget: int | float | str = 0.2, tokenizer: Any = None, chunk_size: int | None = None,
                         **overrides: Any) -> CompressionSession:
         """A session holding ``context`` (token ids (B, T), or a document as text, rendered in the chat template
-        by ``tokenizer`` so that ``session.ask`` works) compressed by ``method`` at ``budget``: loaded from the
-        store, or compressed and added to it. Enter it to ask (``with session: session.ask(...)``)."""
+        by ``tokenizer`` so that ``session.ask`` works) compressed by ``method`` at ``budget``, loaded from the
+        store: compressed and added to it first where it is missing (or damaged), so that every caller gets what
+        any later process will. Enter it to ask (``with session: session.ask(...)``)."""
         ids, document = self._context_ids(context, tokenizer, model)
         key = self.key_for(model, ids, method, budget, chunk_size, document is not None, **overrides)
         if key in self:
@@ -102,9 +103,8 @@ class ContextStore:
             else:
                 session.prefill_text(document, chunk_size=chunk_size)
         session.save(self.path(key))
-        self._mark_used(key)
         self._keep_within_limit(key)
-        return session
+        return self.load(model, key, tokenizer)
 
     def load(self, model: nn.Module, key: str, tokenizer: Any = None, device: str | torch.device | None = None,
              dtype: torch.dtype | None = None) -> CompressionSession:

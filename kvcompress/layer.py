@@ -367,10 +367,7 @@ class CompressedLayer(DynamicLayer):
         layer._tracked = tensors["slot_valid"].shape[-1]
         layer._capacity = capacity_for(layer._tracked)
         for name in cls.SLOT_FIELDS:
-            layer._buffers[name] = None
-            if name in tensors:
-                layer._buffers[name] = zeros_like_with(tensors[name], layer._capacity)
-                layer._buffers[name][..., : layer._tracked] = tensors[name]
+            setattr(layer, name, tensors.get(name))  # into a buffer with spare room (``_assign``)
         layer.statistics = {name.split(".", 1)[1]: tensor for name, tensor in tensors.items()
                             if name.startswith("statistics.")}
         layer.set_scored_units(tensors.get("scored_units"), facts["fewest_units"])
