@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import busy_processes, write_results  # noqa: E402
 from kvcompress.kernels import native  # noqa: E402
-from kvcompress.kernels.attention import observed_attention, prefix_max_attention  # noqa: E402
+from kvcompress.kernels.attention import observed_attention  # noqa: E402
+from kvcompress.kernels.reconstruction import prefix_max_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 RECONSTRUCTION_QUERIES = 2060  # a 2,048-token chunk and its request

@@ -10,6 +10,8 @@
 2. Methods: for every registered method (and KVzip with head-wise global selection) on a model of random
    weights, (a) a budget above the prompt must give exactly the uncompressed ``generate``'s tokens, and (b) at 20 %
    kept the cache holds 0.20 of the full cache's bytes and decoding runs.
+3. What the device's compiler made of each kernel launched (shared bytes, registers, spills: ``compiled``), beside
+   the ahead-of-time figures of ``results/gpu/compile_report.md``.
 
 Writes one JSON (``--out``); prints a line per check. Every check is caught on its own.
 """
@@ -35,7 +37,7 @@ import kvcompress  # noqa: E402
 from benchmarks.common import random_model, release_memory, tiny_tokenizer  # noqa: E402
 from benchmarks.speed_memory import kvzap_weights  # noqa: E402
 from kvcompress.cache import kv_cache_bytes  # noqa: E402
-from kvcompress.kernels import triton_attention  # noqa: E402
+from kvcompress.kernels import triton_attention, triton_kernels  # noqa: E402
 
 STARTED = time.perf_counter()
 
@@ -213,6 +215,24 @@ def greedy(model, ids: torch.Tensor) -> list[list[int]]:
                               do_sample=False).tolist()
 
 
+def compiled_kernels() -> list[dict]:
+    """What the device's compiler made of each kernel the checks launched (shared bytes, registers, spills), to set
+    beside the ahead-of-time figures of ``results/gpu/compile_report.md``."""
+    found = []
+    for name in ("_forward", "_column_statistics", "_folded_decode", "_merge_splits"):
+        try:
+            for kernel_cache, *_ in getattr(triton_kernels, name).device_caches.values():
+                for compiled in kernel_cache.values():
+                    compiled._init_handles()
+                    constants = {str(key): value for key, value in getattr(compiled.src, "constants", {}).items()}
+                    found.append(dict(kernel=name, shared=compiled.metadata.shared, registers=compiled.n_regs,
+                                      spills=compiled.n_spills, warps=compiled.metadata.num_warps,
+                                      stages=compiled.metadata.num_stages, constants=constants))
+        except Exception as error:  # noqa: BLE001 - recorded, the check's result stands
+            found.append(dict(kernel=name, error=_error(error)))
+    return found
+
+
 def _error(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error)[:400]} | " + "".join(traceback.format_exc().splitlines(True)[-3:])
 
@@ -233,7 +253,8 @@ def main(argv=None) -> int:
     result = {"device": args.device, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
               "torch": torch.__version__, "triton": getattr(triton_attention.triton, "__version__", None),
               "passed": sum(row["passed"] for row in done), "failed": sum(not row["passed"] for row in done),
-              "rows": rows, "wall_s": time.perf_counter() - STARTED}
+              "rows": rows, "compiled": compiled_kernels() if args.device != "cpu" else [],
+              "wall_s": time.perf_counter() - STARTED}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"[check] {result['passed']} passed, {result['failed']} failed, {result['wall_s']:.0f} s", flush=True)
     return 0 if result["failed"] == 0 else 1

@@ -60,7 +60,7 @@ main() {
         --out "$OUT/check.json"
     if [ "$DEVICE" != cpu ]; then
         # shellcheck disable=SC2086
-        PYTHONPATH="$ours" phase kernels 40 "$PY" benchmarks/gpu/kernels.py --lengths $LENGTHS --out "$OUT/kernels.json"
+        PYTHONPATH="$ours" phase kernels 40 "$PY" benchmarks/gpu/kernel_timing.py --lengths $LENGTHS --out "$OUT/kernels.json"
     fi
     # shellcheck disable=SC2086
     PYTHONPATH="$ours" phase kvcompress "$OURS_S" "$PY" benchmarks/speed_memory.py --device "$DEVICE" \

@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels import native
-from ..kernels.attention import observed_attention, prefix_max_attention
+from ..kernels.attention import observed_attention
+from ..kernels.reconstruction import prefix_max_attention
 from .base import AttentionCall, Scorer
 
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."

@@ -1,31 +1,43 @@
-"""The scoring pass's blocks per architecture (``triton_attention.block_sizes``): half precision keeps the blocks
-the benchmarks chose on every device, float32 gets blocks that fit each device's shared memory (the bytes, compiled
-ahead of time, are in docs/gpu.md), an unknown device the smallest, and ``BLOCK_OVERRIDES`` wins."""
+"""The kernels' launches (``triton_blocks``): half precision keeps the blocks the benchmarks chose, float32 takes
+blocks ptxas compiles without spills (``test_ahead_of_time.py`` compiles them all for every architecture),
+``BLOCK_OVERRIDES`` wins, a folded decode step's query heads come in blocks of 16 (several programs for a larger
+group), and an NVIDIA device older than compute capability 8.0 takes the torch path."""
 
 import pytest
 import torch
 
-from kvcompress.kernels import triton_attention
+from kvcompress.kernels import triton_attention, triton_blocks
 
 BENCHMARKED = dict(forward_rows=128, forward_keys=64, column_keys=128, column_rows=64, warps=8, stages=3)
 
 
-@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_keeps_the_benchmarked_blocks(capability, dtype):
-    assert triton_attention.block_sizes(128, dtype, capability) == BENCHMARKED
+def test_half_precision_keeps_the_benchmarked_blocks(dtype):
+    assert triton_blocks.block_sizes(128, dtype).items() >= BENCHMARKED.items()
+    assert triton_blocks.block_sizes(64, dtype) == triton_blocks.block_sizes(128, dtype)
 
 
-def test_float32_blocks_shrink_with_the_shared_memory():
-    hopper, ampere, ada = (triton_attention.block_sizes(128, torch.float32, capability)
-                           for capability in ((9, 0), (8, 0), (8, 9)))
-    assert hopper == BENCHMARKED
-    assert ampere == BENCHMARKED | dict(stages=2)  # 229,888 B at 3 stages: over the A100's 166,912
-    assert ada["forward_rows"] * ada["forward_keys"] < ampere["forward_rows"] * ampere["forward_keys"]
-    unknown = triton_attention.block_sizes(128, torch.float32, (7, 5))
-    assert unknown == ada and triton_attention.shared_memory((7, 5)) == min(triton_attention.SHARED_MEMORY.values())
+def test_float32_takes_small_blocks():
+    sizes = triton_blocks.block_sizes(128, torch.float32)
+    assert sizes["forward_rows"] * sizes["forward_keys"] < BENCHMARKED["forward_rows"] * BENCHMARKED["forward_keys"]
+    assert sizes["decode_keys"] < triton_blocks.block_sizes(128, torch.bfloat16)["decode_keys"]
 
 
 def test_overrides_win(monkeypatch):
-    monkeypatch.setattr(triton_attention, "BLOCK_OVERRIDES", {"stages": 1})
-    assert triton_attention.block_sizes(128, torch.float32, (9, 0))["stages"] == 1
+    monkeypatch.setattr(triton_blocks, "BLOCK_OVERRIDES", {"stages": 1})
+    assert triton_blocks.block_sizes(128, torch.bfloat16)["stages"] == 1
+    forward, columns = triton_blocks.scoring_launches(128, torch.bfloat16, True, True, True, False)
+    assert forward.stages == columns.stages == 1
+
+
+def test_a_decode_step_takes_query_heads_in_blocks_of_16():
+    decode, merge = triton_blocks.decode_launches(256, torch.bfloat16, True, True)
+    assert decode.constexprs["BLOCK_M"] == merge.constexprs["BLOCK_M"] == 16
+    assert decode.constexprs["BLOCK_D"] == 256 and not decode.constexprs["UPCAST"]
+    assert triton_blocks.decode_launches(80, torch.float32, True, True)[0].constexprs["BLOCK_D"] == 128
+
+
+@pytest.mark.parametrize("capability, served", [((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_older_nvidia_devices_take_the_torch_path(monkeypatch, capability, served):
+    monkeypatch.setattr(triton_attention, "_capability", lambda device: capability)
+    assert triton_attention.serves(torch.device("cuda")) == served

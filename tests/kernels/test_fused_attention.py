@@ -9,7 +9,7 @@ diagonal mask and the padding masks all run.
 import pytest
 import torch
 
-from kvcompress.kernels import attention, native, triton_attention
+from kvcompress.kernels import attention, native, reconstruction, triton_attention
 from tiny_models import torch_threads
 
 NONE = torch.empty(0, dtype=torch.long)  # slot_head of a layer that is not folded
@@ -215,12 +215,12 @@ def test_reconstruction_pass_matches_its_definition(monkeypatch, dtype, toleranc
     the running maximum spans several of them. Scores are float32 products in every dtype, so they stay within
     1e-4 of the definition even for bfloat16 inputs (flash's bfloat16 log-sum-exp adds ~2e-5); the output is
     rounded to bfloat16."""
-    monkeypatch.setattr(attention, "PREFIX_ROWS", 16)
+    monkeypatch.setattr(reconstruction, "PREFIX_ROWS", 16)
     generator = torch.Generator().manual_seed(1)
     queries = torch.randn(2, HEADS, NEW, DIM, generator=generator).to(dtype)
     keys = torch.randn(2, KV_HEADS, cached + NEW, DIM, generator=generator).to(dtype)
     values = torch.randn(2, KV_HEADS, cached + NEW, DIM, generator=generator).to(dtype)
-    output, scores = attention.prefix_max_attention(queries, keys, values, 0.25)
+    output, scores = reconstruction.prefix_max_attention(queries, keys, values, 0.25)
     expected_scores, expected_output = _reference_prefix_max(queries, keys, values, 0.25)
     assert output.dtype == dtype and scores.dtype == torch.float32 and output.shape == (2, NEW, HEADS, DIM)
     torch.testing.assert_close(scores.double(), expected_scores, rtol=score_tolerance, atol=1e-7)
@@ -275,3 +275,26 @@ def test_flash_forward_then_triton_columns_match_float64(monkeypatch, dtype, cac
         # the log-sum-exp is flash's (measured within 5e-5 of the definition in bfloat16, 1e-6 in float32)
         torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(output.double(), expected_output, rtol=tolerance, atol=tolerance)
+
+
+def test_folded_decode_of_a_large_group_matches_float64():
+    """The folded decode kernel with 20 query heads per KV head (multi-query-like): two programs per (sequence,
+    KV head) pair take 16 heads and 4, each reading the pair's slots; outputs and the most attention a group gives
+    each of its slots against float64, per head over its own live slots."""
+    generator = torch.Generator().manual_seed(3)
+    batch, kv_heads, groups, total, dim = 2, 2, 20, 45, 16
+    queries = torch.randn(batch, kv_heads * groups, 1, dim, generator=generator)
+    keys, values = (torch.randn(batch, 1, total, dim, generator=generator) for _ in range(2))
+    slot_head = torch.randint(0, kv_heads, (batch, total), generator=generator).sort(-1).values
+    slot_valid = torch.rand(batch, total, generator=generator) > 0.2
+    output, scores = triton_attention.folded_decode(queries, keys, values, slot_valid, slot_head, kv_heads, 0.3,
+                                                    observed=torch.ones(batch, 1, dtype=torch.bool))
+    expected_scores = torch.zeros(batch, total, dtype=torch.float64)
+    for b in range(batch):
+        for head in range(kv_heads * groups):
+            own = (slot_head[b] == head // groups) & slot_valid[b]
+            weights = (keys[b, 0, own].double() @ queries[b, head, 0].double() * 0.3).softmax(-1)
+            torch.testing.assert_close(output[b, 0, head].double(), weights @ values[b, 0, own].double(),
+                                       rtol=1e-5, atol=1e-6)
+            expected_scores[b, own] = torch.maximum(expected_scores[b, own], weights)
+    torch.testing.assert_close(scores[:, 0].double(), expected_scores, rtol=1e-5, atol=1e-7)

@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import gpu_description  # noqa: E402
 from benchmarks.gpu.check import folded_inputs  # noqa: E402
-from kvcompress.kernels import triton_attention  # noqa: E402
+from kvcompress.kernels import triton_attention, triton_blocks  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 
@@ -85,13 +85,13 @@ def measure_case(length: int, case: str, rows: int, total: int, repeats: int, re
     for keys_per_program, rows_per_step, warps, stages in ((64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 3),
                                                           (128, 32, 4, 3), (128, 128, 8, 2)):
         blocks = dict(column_keys=keys_per_program, column_rows=rows_per_step, warps=warps, stages=stages)
-        triton_attention.BLOCK_OVERRIDES.update(blocks)
+        triton_blocks.BLOCK_OVERRIDES.update(blocks)
         try:
             ms = timed(lambda: fused(queries, keys, values, "flash", False), repeats)
             record(length=length, case=case, path="flash + sum", blocks=blocks, ms=ms, x=ms / baseline)
         except Exception as error:  # noqa: BLE001 - shared memory or register limits of a shape
             record(length=length, case=case, blocks=blocks, error=f"{type(error).__name__}: {error}"[:300])
-        triton_attention.BLOCK_OVERRIDES.clear()
+        triton_blocks.BLOCK_OVERRIDES.clear()
 
 
 def masked_eager(queries, keys, values, slot_valid, slot_head):
