@@ -52,12 +52,19 @@ _FILLED_OUTSIDE = (
 
 
 def _filled_layers(cache: Cache):
-    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and _slots(layer)]
+
+
+def _slots(layer) -> int:
+    """Physical slots of a layer (a compressed layer's quantized ones included)."""
+    return layer.physical_length if isinstance(layer, CompressedLayer) else layer.keys.shape[-2]
 
 
 def kv_cache_bytes(cache: Cache) -> int:
-    """Bytes held by the keys and values of every layer."""
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in _filled_layers(cache))
+    """Bytes held by the keys and values of every layer (codes, scales and full-precision copies where a layer
+    holds them quantized)."""
+    return sum(layer.kv_nbytes if isinstance(layer, CompressedLayer) else layer.keys.nbytes + layer.values.nbytes
+               for layer in _filled_layers(cache))
 
 
 def state_bytes(cache: Cache) -> int:
@@ -93,7 +100,7 @@ def kv_cache_length(cache: Cache) -> int:
     """Physical slots per full-attention layer (what compression bounds), averaged over those layers and rounded:
     their common length, unless the layers have budgets of their own (``budget_allocation="global"``); a folded
     layer (``budget_allocation="adaptive"`` or ``"global_adaptive"``) counts its slots per head."""
-    lengths = [layer.keys.shape[-2] / (getattr(layer, "folded_heads", None) or 1)
+    lengths = [_slots(layer) / (getattr(layer, "folded_heads", None) or 1)
                for layer in _filled_layers(cache) if not getattr(layer, "is_sliding", False)]
     return round(sum(lengths) / len(lengths)) if lengths else 0
 

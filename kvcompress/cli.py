@@ -23,7 +23,7 @@ from . import context_cli
 from .budget import budget_slots, parse_budget
 from .cache import kv_cache_bytes, kv_cache_length
 from .compressor import KVCacheCompressor
-from .parameters import AGGREGATIONS, KVCacheCompressionParameters
+from .parameters import AGGREGATIONS, KV_BITS, KVCacheCompressionParameters
 from .presets import preset
 from .scoring.registry import SCORERS
 
@@ -38,7 +38,7 @@ DEFAULT_METHOD = "kvzip"
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 SIZE_OPTIONS = ("start_size", "intermediate_size", "recent_size")
 # Options that --config replaces: combining them with a config file would leave it unclear which one wins.
-CONFIG_EXCLUSIVE = ("method", "budget", "score_aggregation", "window_size", *SIZE_OPTIONS)
+CONFIG_EXCLUSIVE = ("method", "budget", "score_aggregation", "window_size", "kv_bits", *SIZE_OPTIONS)
 
 
 def budget_option(text: str) -> int | float:
@@ -76,6 +76,8 @@ def _compression_options() -> argparse.ArgumentParser:
                            help="the three sizes are given together, instead of --budget")
     group.add_argument("--score-aggregation", choices=AGGREGATIONS, help="default: norm_sum")
     group.add_argument("--window-size", type=positive_int, help="SnapKV observation window (default 8)")
+    group.add_argument("--kv-bits", type=int, choices=KV_BITS, help="bits per kept key and value element (default 16: "
+                                                                    "the model's dtype)")
     group.add_argument("--config", type=Path, help="a YAML file of KVCacheCompressionParameters fields")
     return parent
 
@@ -133,7 +135,7 @@ def compression_parameters(args: argparse.Namespace, prompt_tokens: int) -> KVCa
         except (yaml.YAMLError, TypeError, ValueError) as error:
             raise ValueError(f"--config {args.config}: {error}") from None
     sizes = [getattr(args, name) for name in SIZE_OPTIONS]
-    overrides = {name: getattr(args, name) for name in ("method", "score_aggregation", "window_size")}
+    overrides = {name: getattr(args, name) for name in ("method", "score_aggregation", "window_size", "kv_bits")}
     overrides = {name: value for name, value in overrides.items() if value is not None}
     method = overrides.pop("method", DEFAULT_METHOD)
     if any(size is not None for size in sizes):
@@ -237,8 +239,9 @@ def _describe(params: KVCacheCompressionParameters) -> str:
               "adaptive": ", a layer's KV heads sharing its scored slots by score",
               "global_adaptive": ", every KV head of every layer sharing the scored slots by score",
               }.get(params.budget_allocation, "")
+    bits = f", {params.kv_bits}-bit keys and values" if params.kv_bits != 16 else ""
     return (f"{', '.join([*method, params.strategy])}, {params.max_cache_size} slots per layer = {params.start_size} "
-            f"start + {params.intermediate_size} scored + {params.recent_size} recent{shared}")
+            f"start + {params.intermediate_size} scored + {params.recent_size} recent{shared}{bits}")
 
 
 def _mib(count: int) -> str:

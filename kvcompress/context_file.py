@@ -74,7 +74,8 @@ def context_contents(session: CompressionSession) -> tuple[dict[str, torch.Tenso
     for index, layer in enumerate(cache.layers):
         layer_tensors, facts = _layer_contents(layer, index)
         tensors.update({f"layers.{index}.{name}": tensor for name, tensor in layer_tensors.items()})
-        layers.append({**facts, "kv_bytes": layer.keys.nbytes + layer.values.nbytes})
+        held = layer.kv_nbytes if isinstance(layer, CompressedLayer) else layer.keys.nbytes + layer.values.nbytes
+        layers.append({**facts, "kv_bytes": held})
     plan_tensors, plan_facts = session.budget.saved()
     tensors.update({f"plan.{name}": tensor for name, tensor in plan_tensors.items()})
     tensors, encodings = _encoded({name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()})

@@ -147,6 +147,8 @@ class Forward:
         if not layer.started:
             layer.start_slots(keys.shape[0], keys.shape[1], keys.device,
                               per_head=self.parameters.head_selection == "per_head")
+            layer.start_quantization(self.parameters.kv_bits, self.parameters.kv_group_size,
+                                     self.parameters.kv_residual)
             self.budget.start_layer(layer, index)
 
     def _layer_layout(self, layer: CompressedLayer) -> tuple[torch.Tensor, bool]:

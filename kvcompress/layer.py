@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from .quantization import PackedSlots, QuantizedKV
 from .ragged import fold_kept, fold_new_tokens, folded_attention, folded_head_of_new, per_new_slot
 from .rerotation import rotate_keys
 from .selection.windows import left_aligned_indices
@@ -70,6 +71,8 @@ class CompressedLayer(DynamicLayer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.cumulative_length = 0  # tokens seen, padding included: the length of generate's 2-D mask
+        # with ``kv_bits`` below 16: every slot's codes; ``keys`` / ``values`` then hold copies of the newest only
+        self.quantized: QuantizedKV | None = None
         self._clear_slots()
 
     def _clear_slots(self) -> None:
@@ -107,7 +110,23 @@ class CompressedLayer(DynamicLayer):
 
     @property
     def physical_length(self) -> int:
+        if self.quantized is not None:
+            return self.quantized.slots
         return 0 if self.keys is None else self.keys.shape[-2]
+
+    def start_quantization(self, bits: int, group_size: int, residual: int) -> None:
+        """Hold the slots as ``bits``-bit codes from now on (``kv_bits``), the ones held so far included (the
+        first forward's, from their own full-precision values), with copies of the newest ``residual``."""
+        if bits == 16 or self.quantized is not None:
+            return
+        self.quantized = QuantizedKV(bits, group_size, residual)
+        self.quantized.append(self.keys, self.values)
+
+    def full_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's keys and values in full precision (dequantized where the layer holds codes)."""
+        if self.quantized is None:
+            return self.keys, self.values
+        return self.quantized.read(self.keys, self.values)
 
     @property
     def live(self) -> torch.Tensor:
@@ -130,8 +149,17 @@ class CompressedLayer(DynamicLayer):
         tokens = key_states.shape[-2]
         if self.folded_heads is not None:
             key_states, value_states = fold_new_tokens(key_states), fold_new_tokens(value_states)
+        if self.quantized is not None:
+            self.quantized.append(key_states, value_states)
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         self.cumulative_length += tokens
+        if self.quantized is None:
+            return keys, values
+        keys, values = self.quantized.read(keys, values)
+        excess = self.keys.shape[-2] - self.quantized.residual
+        if tokens == 1 and excess > 0:  # a decode step: slots older than the residual keep their codes only (a
+            # prompt stays in full precision until its eviction, which its scores and reconstruction passes decide)
+            self.keys, self.values = (tensor[..., excess:, :].contiguous() for tensor in (self.keys, self.values))
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -166,12 +194,22 @@ class CompressedLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
+        self.quantized = None
         self._clear_slots()
 
     @property
     def bytes_per_token(self) -> int:
-        """Key and value bytes one token takes in this layer (every head's slot of it, folded or not)."""
-        return (self.keys[..., :1, :].nbytes + self.values[..., :1, :].nbytes) * (self.folded_heads or 1)
+        """Key and value bytes one token takes in this layer uncompressed (every head's slot of it, folded or not,
+        in the model's dtype)."""
+        per_slot = sum(tensor.shape[0] * tensor.shape[1] * tensor.shape[-1] * tensor.element_size()
+                       for tensor in (self.keys, self.values))
+        return per_slot * (self.folded_heads or 1)
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes the layer's keys and values take: codes, scales and full-precision copies where quantized."""
+        held = self.keys.nbytes + self.values.nbytes
+        return held + (self.quantized.nbytes if self.quantized is not None else 0)
 
     @property
     def state_nbytes(self) -> int:
@@ -278,8 +316,13 @@ class CompressedLayer(DynamicLayer):
     def keep(self, index: torch.Tensor, valid: torch.Tensor) -> None:
         """Keep only the slots ``index`` (B, K), or (B, H_kv, K) per head, in that order; ``valid`` (B, K) marks
         which hold live tokens (per-head selection keeps one layout for the heads)."""
-        self.keys = gather_slots(self.keys, index)
-        self.values = gather_slots(self.values, index)
+        if self.quantized is not None:
+            first = self.quantized.slots - self.keys.shape[-2]  # the first slot with a full-precision copy
+            self.keys, self.values = self.quantized.keep(gather_slots, index, (index - first).clamp(min=0),
+                                                         index >= first, self.keys, self.values)
+        else:
+            self.keys = gather_slots(self.keys, index)
+            self.values = gather_slots(self.values, index)
         width = index.shape[-1]
         self._capacity = capacity_for(width)
         for name, buffer in self._buffers.items():
@@ -307,9 +350,16 @@ class CompressedLayer(DynamicLayer):
         """Keep each KV head's own slots ``keep`` (B, H_kv, T) bool, whatever their count per head: the layer folds
         its heads into one row that holds exactly the kept (head, token) slots (``ragged.py``)."""
         source, valid = left_aligned_indices(keep.flatten(1))
-        self.keys = fold_kept(self.keys, source)
-        self.values = fold_kept(self.values, source)
         heads, total = self._buffers["rope_positions"].shape[1], self._tracked
+        if self.quantized is not None:
+            copies = self.keys.shape[-2]
+            first, token = total - copies, source % total
+            self.keys, self.values = self.quantized.keep(
+                fold_kept, source, source // total * copies + (token - first).clamp(min=0), token >= first,
+                self.keys, self.values)
+        else:
+            self.keys = fold_kept(self.keys, source)
+            self.values = fold_kept(self.values, source)
         width = source.shape[-1]
         self._capacity = capacity_for(width)
         for name, buffer in self._buffers.items():
@@ -335,9 +385,11 @@ class CompressedLayer(DynamicLayer):
     def drop_newest(self, tokens: int) -> None:
         """Forget the last ``tokens`` tokens' slots (one per head in a folded layer), as if never seen (a
         context-reconstruction pass's own tokens, which the per-slot fields never tracked)."""
-        kept = self.physical_length - self.new_slots(tokens)
-        self.keys = self.keys[..., :kept, :].contiguous()
-        self.values = self.values[..., :kept, :].contiguous()
+        dropped = self.new_slots(tokens)
+        self.keys, self.values = (tensor[..., : tensor.shape[-2] - dropped, :].contiguous()
+                                  for tensor in (self.keys, self.values))
+        if self.quantized is not None:
+            self.quantized.map(lambda tensor: tensor[..., : tensor.shape[-2] - dropped, :])
         self.cumulative_length -= tokens
 
     # ------------------------------------------------------------------ what a stored context holds of the layer
@@ -350,9 +402,16 @@ class CompressedLayer(DynamicLayer):
             tensors.update({f"statistics.{name}": tensor for name, tensor in self.statistics.items()})
             tensors.update({name: tensor for name, tensor in (("scored_units", self._scored_units),
                                                                 ("head_units", self.head_units)) if tensor is not None})
+        quantized = self.quantized
+        if quantized is not None:
+            tensors.update({f"quantized.{part}.{name}": tensor for part, packed in (("keys", quantized.keys),
+                                                                                    ("values", quantized.values))
+                            for name, tensor in packed.tensors().items()})
         facts = {"cumulative_length": self.cumulative_length, "started": self.started,
                  "folded_heads": self.folded_heads, "kept_length": self.kept_length,
-                 "fewest_units": self._fewest_units}
+                 "fewest_units": self._fewest_units,
+                 "quantization": None if quantized is None else [quantized.bits, quantized.group_size,
+                                                                 quantized.residual]}
         return tensors, facts
 
     @classmethod
@@ -362,6 +421,11 @@ class CompressedLayer(DynamicLayer):
         layer.lazy_initialization(tensors["keys"], tensors["values"])
         layer.keys, layer.values = tensors["keys"], tensors["values"]
         layer.cumulative_length = int(facts["cumulative_length"])
+        if facts.get("quantization"):
+            bits, group_size, residual = facts["quantization"]
+            layer.quantized = QuantizedKV(bits, group_size, residual, *(
+                PackedSlots(*(tensors[f"quantized.{part}.{name}"] for name in ("codes", "scales", "zeros")), bits)
+                for part in ("keys", "values")))
         if not facts["started"]:
             return layer
         layer._tracked = tensors["slot_valid"].shape[-1]
@@ -416,6 +480,8 @@ class CompressedLayer(DynamicLayer):
             self.scored_units = self._scored_units.index_select(0, rows.to(self._scored_units.device))
         if self.head_units is not None:
             self.head_units = self.head_units.index_select(0, rows.to(self.head_units.device))
+        if self.quantized is not None:
+            self.quantized.map(lambda tensor: tensor.index_select(0, rows.to(tensor.device)))
 
 
 def _like(buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

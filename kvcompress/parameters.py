@@ -27,6 +27,7 @@ HEAD_SHARED_ALLOCATIONS = ("adaptive", "global_adaptive")  # KV heads keep count
 DEFAULT_ADAPTIVE_FLOOR = 0.2  # AdaKV's LongBench runs and kvpress's AdaKVPress (alpha_safeguard)
 HEAD_SELECTIONS = ("shared", "per_head")
 DEFAULT_SNAPKV_WINDOW = 8
+KV_BITS = (16, 8, 4)  # bits per kept key and value element (kvcompress/quantization.py)
 RENAMED_KEYS = {"algorithm": "method"}  # old spelling -> field; still read (constructor, dicts, YAML), with a warning
 RENAMED_METHODS = {"streamingllm": "streaming_llm"}  # old spelling -> method name (the runners' configs)
 
@@ -132,6 +133,9 @@ class KVCacheCompressionParameters:
     adaptive_floor: float = DEFAULT_ADAPTIVE_FLOOR
     head_selection: str = "shared"
     score_threshold: float | None = None
+    kv_bits: int = 16
+    kv_group_size: int = 64
+    kv_residual: int = 32
     scorer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -280,6 +284,14 @@ class KVCacheCompressionParameters:
                 "score_threshold with head_selection='per_head' needs budget_allocation 'adaptive' or "
                 f"'global_adaptive' (each head then keeps its own count); got {self.budget_allocation!r}"
             )
+        if self.kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {_allowed(KV_BITS)} (16: the model's dtype), got {self.kv_bits}")
+        if self.kv_group_size < 1 or self.kv_residual < 0:
+            raise ValueError(f"kv_group_size must be >= 1 and kv_residual >= 0, got {self.kv_group_size} and "
+                             f"{self.kv_residual}")
+        if self.kv_bits != 16 and self.rerotate_keys:
+            raise ValueError(f"kv_bits={self.kv_bits} is not combined with rerotate_keys=True (rotating quantized keys "
+                             "would quantize them again); use one of them")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -366,7 +378,7 @@ def window_unit(fields: Mapping[str, Any]) -> int:
 
 _INT_FIELDS = {
     "group_size", "start_size", "intermediate_size", "recent_size", "window_size", "snapkv_kernel_size",
-    "decode_slack", "refined_size", "kvcrush_seed",
+    "decode_slack", "refined_size", "kvcrush_seed", "kv_bits", "kv_group_size", "kv_residual",
 }
 _BOOL_FIELDS = {"compress_during_decoding", "rerotate_keys"}
 _FLOAT_FIELDS = {

@@ -34,6 +34,7 @@ from .forward import Forward
 from .layer import CompressedLayer
 from .masks import decoder_mask, new_token_validity, positions_from_mask, shared_layout
 from .parameters import KVCacheCompressionParameters
+from .quantization import check_layout
 from .rerotation import check_rerotation_supported
 
 _ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -89,6 +90,9 @@ class CompressionSession:
                     "true positions while compressed layers would use compact ones"
                 )
             check_rerotation_supported(layout.rotary_emb, type(self.model).__name__)
+        config = self.model.config.get_text_config()
+        check_layout(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                     self.parameters.kv_bits, self.parameters.kv_group_size)
         self.tokenizer = self._tokenizer_if_needed()
         self.scorer.bind(self.model, self.tokenizer)
         self.layout = layout

@@ -43,7 +43,7 @@ def evict(layers: list[tuple[nn.Module, CompressedLayer]], scorer: Scorer, plan:
     parameters = plan.parameters
     started = time.perf_counter()
     states = [layer for _, layer in layers]
-    scores = [scorer.eviction_scores(layer, layer.keys, layer.values, layer.slot_valid) for layer in states]
+    scores = [scorer.eviction_scores(layer, *layer.full_keys_values(), layer.slot_valid) for layer in states]
     adaptive = parameters.heads_share_budget
     # a folded layer's slots as per-head rows (ragged.head_grid); every other layer's rows are its slots
     grids = [head_grid(state.slot_head, state.slot_valid, state.folded_heads) if state.folded_heads else None

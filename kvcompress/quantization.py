@@ -1,0 +1,149 @@
+"""Low-bit storage of kept keys and values: each slot's channels in groups, 8 or 4 bits with an affine grid.
+
+A slot is quantized on its own (per token: a group is ``group_size`` consecutive channels of one head of one
+slot), so that everything eviction does to slots (gather a head's own, fold heads into one row, evict again while
+decoding, save a context) moves codes and their scales as it moves full-precision slots, with no group across
+tokens to split and requantize. A group's grid is affine: ``x ≈ (code - zero) · scale`` with ``scale = (max -
+min) / (2^bits - 1)`` in float16 and the integer ``zero = round(-min / scale)`` in one byte (as PyTorch's
+per-channel quantization), so both ends of the group's range lie within half a step of the grid, and a
+constant group is held exactly. Four-bit codes are
+packed two to a byte. Bytes per slot and head, channels ``d``, ``g`` groups: ``d · bits / 8 + 3 g``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class PackedSlots:
+    """Quantized slots (..., T, d): ``codes`` uint8 (..., T, d · bits / 8), ``scales`` float16 and ``zeros`` uint8
+    (..., T, d / group_size)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+
+    @property
+    def slots(self) -> int:
+        return self.codes.shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.zeros.nbytes
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
+
+    def map(self, function) -> "PackedSlots":
+        """The same slots with ``function`` applied to each tensor along the slot dimension (a gather, a cut)."""
+        return PackedSlots(function(self.codes), function(self.scales), function(self.zeros), self.bits)
+
+
+def check_layout(head_dim: int, bits: int, group_size: int) -> None:
+    """Refuses a group size the model's head size cannot take (the parameters check the rest)."""
+    if bits != 16 and head_dim % group_size:
+        raise ValueError(f"kv_group_size must divide the model's head size {head_dim}, got {group_size}")
+
+
+def quantize(tensor: torch.Tensor, bits: int, group_size: int) -> PackedSlots:
+    """``tensor`` (..., T, d) as ``bits``-bit codes per group of ``group_size`` channels of each slot."""
+    *outer, channels = tensor.shape
+    groups = tensor.reshape(*outer, channels // group_size, group_size).float()
+    low, high = groups.amin(-1), groups.amax(-1)
+    top = (1 << bits) - 1
+    scale = ((high - low) / top).to(torch.float16).float()
+    # a constant group (padding, a zeroed head) is held exactly: its value is one step from zero
+    constant = low.abs().to(torch.float16).float()
+    scale = torch.where(scale > 0, scale, torch.where(constant > 0, constant, torch.ones_like(scale)))
+    zero = torch.round(-low / scale).clamp_(0, top)
+    codes = torch.round(groups / scale[..., None] + zero[..., None]).clamp_(0, top).to(torch.uint8)
+    codes = codes.reshape(*outer, channels)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return PackedSlots(codes, scale.to(torch.float16), zero.to(torch.uint8), bits)
+
+
+def dequantize(packed: PackedSlots, dtype: torch.dtype) -> torch.Tensor:
+    """The slots ``packed`` holds, (..., T, d) in ``dtype``."""
+    codes = packed.codes
+    if packed.bits == 4:
+        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
+    groups = packed.scales.shape[-1]
+    grouped = codes.reshape(*codes.shape[:-1], groups, codes.shape[-1] // groups).float()
+    values = (grouped - packed.zeros[..., None].float()) * packed.scales[..., None].float()
+    return values.reshape(codes.shape).to(dtype)
+
+
+def packed_bytes_per_slot(head_dim: int, bits: int, group_size: int) -> int:
+    """Bytes one slot of one head takes quantized: codes, and a float16 scale and a byte of zero per group."""
+    return head_dim * bits // 8 + 3 * (head_dim // group_size)
+
+
+@dataclasses.dataclass
+class QuantizedKV:
+    """A layer's keys and values quantized, every physical slot of them, codes made once from each slot's own
+    full-precision values when it enters the layer and moved (never requantized) by every gather after. The layer
+    keeps beside them a full-precision copy of its newest ``residual`` slots at most, which attention reads instead
+    of their codes (KIVI's residual: the newest tokens draw most attention)."""
+
+    bits: int
+    group_size: int
+    residual: int
+    keys: PackedSlots | None = None
+    values: PackedSlots | None = None
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.keys is None else self.keys.slots
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize new slots (..., q, d) onto the end."""
+        new_keys, new_values = (quantize(tensor, self.bits, self.group_size) for tensor in (keys, values))
+        if self.keys is None:
+            self.keys, self.values = new_keys, new_values
+            return
+        self.keys, self.values = (PackedSlots(*(torch.cat([old, new], dim=-2) for old, new in
+                                                zip(held.tensors().values(), added.tensors().values())), self.bits)
+                                  for held, added in ((self.keys, new_keys), (self.values, new_values)))
+
+    def map(self, function) -> None:
+        """Apply ``function`` to every code, scale and zero tensor along the slots (a gather, a fold, a cut)."""
+        self.keys, self.values = self.keys.map(function), self.values.map(function)
+
+    def read(self, residual_keys: torch.Tensor, residual_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot in full precision for attention: the older ones dequantized, then the residual copies of the
+        newest ones."""
+        older = self.slots - residual_keys.shape[-2]
+        if older == 0:
+            return residual_keys, residual_values
+        cut = self.keys.map(lambda t: t[..., :older, :]), self.values.map(lambda t: t[..., :older, :])
+        return (torch.cat([dequantize(cut[0], residual_keys.dtype), residual_keys], dim=-2),
+                torch.cat([dequantize(cut[1], residual_values.dtype), residual_values], dim=-2))
+
+    def keep(self, gather, index: torch.Tensor, residual_index: torch.Tensor, from_residual: torch.Tensor,
+             residual_keys: torch.Tensor, residual_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the slots ``gather(tensor, index)`` selects (``slots.gather_slots`` or ``ragged.fold_kept``), and
+        return the new full-precision copies of the newest ``residual`` of them: a kept slot that had a copy
+        (``from_residual``, same shape as ``index``; ``residual_index`` its place among the old copies) keeps it,
+        any other one is its codes dequantized (its codes stay as they were)."""
+        self.map(lambda tensor: gather(tensor, index))
+        width = min(self.residual, self.slots)
+        newest = (index[..., index.shape[-1] - width:], residual_index[..., index.shape[-1] - width:],
+                  from_residual[..., from_residual.shape[-1] - width:])
+        copied = []
+        for packed, residual in ((self.keys, residual_keys), (self.values, residual_values)):
+            decoded = dequantize(packed.map(lambda tensor: tensor[..., tensor.shape[-2] - width:, :]), residual.dtype)
+            if residual.shape[-2] == 0:
+                copied.append(decoded)
+                continue
+            mask = newest[2].unsqueeze(-1) if newest[2].dim() == 3 else newest[2][:, None, :, None]
+            copied.append(torch.where(mask, gather(residual, newest[1]), decoded))
+        return copied[0], copied[1]

@@ -1,0 +1,63 @@
+"""The quantizer (``kvcompress/quantization.py``) against a float64 definition of the same affine grid: codes,
+packing (two 4-bit codes a byte), the error bound, constant groups, and the bytes per slot."""
+
+import pytest
+import torch
+
+from kvcompress.quantization import PackedSlots, check_layout, dequantize, packed_bytes_per_slot, quantize
+
+
+def _reference(tensor: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """The dequantized tensor by the definition, in float64, one group at a time."""
+    top = 2**bits - 1
+    out = torch.empty_like(tensor, dtype=torch.float64)
+    flat, result = tensor.double().reshape(-1, group_size), out.view(-1, group_size)
+    for row, group in enumerate(flat):
+        scale = float(torch.tensor((group.max() - group.min()).item() / top, dtype=torch.float16))
+        scale = scale or float(torch.tensor(abs(group.min().item()), dtype=torch.float16)) or 1.0
+        zero = min(max(round(-group.min().item() / scale), 0), top)
+        codes = torch.clamp(torch.round(group / scale + zero), 0, top)
+        result[row] = (codes - zero) * scale
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_matches_the_float64_definition(bits, dtype):
+    generator = torch.Generator().manual_seed(0)
+    tensor = (torch.randn(2, 3, 17, 64, generator=generator) * 3 + 1).to(dtype)
+    packed = quantize(tensor, bits, 32)
+    assert packed.codes.dtype == torch.uint8 and packed.codes.shape == (2, 3, 17, 64 * bits // 8)
+    assert packed.scales.shape == packed.zeros.shape == (2, 3, 17, 2)
+    restored = dequantize(packed, torch.float32).double()
+    expected = _reference(tensor, bits, 32)
+    torch.testing.assert_close(restored, expected, rtol=0, atol=1e-5)
+    step = (tensor.double().reshape(-1, 32).amax(-1) - tensor.double().reshape(-1, 32).amin(-1)) / (2**bits - 1)
+    error = (restored - tensor.double()).abs().reshape(-1, 32).amax(-1)
+    assert (error <= step * 1.01 + 1e-6).all()  # the grid's ends within half a step, a value within half more
+
+
+def test_constant_groups_are_exact_and_packing_keeps_every_code():
+    tensor = torch.tensor([-0.75, 0.0, 2.5]).repeat_interleave(8).view(1, 3, 1, 8)
+    for bits in (8, 4):
+        assert torch.equal(dequantize(quantize(tensor, bits, 8), torch.float32), tensor)
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2)
+    packed = PackedSlots((codes[0::2] | (codes[1::2] << 4)).view(1, 16), torch.ones(1, 1, dtype=torch.float16),
+                         torch.zeros(1, 1, dtype=torch.uint8), 4)
+    assert dequantize(packed, torch.float32).flatten().tolist() == codes.float().tolist()
+
+
+def test_gathering_packed_slots_equals_gathering_the_slots():
+    tensor = torch.randn(2, 2, 10, 16)
+    index = torch.tensor([[0, 3, 7], [9, 1, 2]])
+    packed = quantize(tensor, 4, 8)
+    gathered = packed.map(lambda t: t.gather(2, index[:, None, :, None].expand(-1, 2, -1, t.shape[-1])))
+    direct = dequantize(packed, torch.float32).gather(2, index[:, None, :, None].expand(-1, 2, -1, 16))
+    assert torch.equal(dequantize(gathered, torch.float32), direct)
+
+
+def test_bytes_per_slot_and_the_checks():
+    assert packed_bytes_per_slot(64, 8, 64) == 67 and packed_bytes_per_slot(64, 4, 64) == 35
+    assert quantize(torch.randn(1, 1, 5, 64), 4, 64).nbytes == 5 * 35
+    with pytest.raises(ValueError, match="kv_group_size must divide the model's head size 64"):
+        check_layout(64, 8, 48)
