@@ -424,7 +424,7 @@ class CompressedLayer(DynamicLayer):
         if facts.get("quantization"):
             bits, group_size, residual = facts["quantization"]
             layer.quantized = QuantizedKV(bits, group_size, residual, *(
-                PackedSlots(*(tensors[f"quantized.{part}.{name}"] for name in ("codes", "scales", "zeros")), bits)
+                PackedSlots(*(tensors[f"quantized.{part}.{name}"] for name in ("codes", "scales", "minimums")), bits)
                 for part in ("keys", "values")))
         if not facts["started"]:
             return layer

@@ -1,13 +1,13 @@
-"""Low-bit storage of kept keys and values: each slot's channels in groups, 8 or 4 bits with an affine grid.
+"""Low-bit storage of kept keys and values: each slot's channels in groups, 8 or 4 bits on a group's own range.
 
 A slot is quantized on its own (per token: a group is ``group_size`` consecutive channels of one head of one
 slot), so that everything eviction does to slots (gather a head's own, fold heads into one row, evict again while
 decoding, save a context) moves codes and their scales as it moves full-precision slots, with no group across
-tokens to split and requantize. A group's grid is affine: ``x ≈ (code - zero) · scale`` with ``scale = (max -
-min) / (2^bits - 1)`` in float16 and the integer ``zero = round(-min / scale)`` in one byte (as PyTorch's
-per-channel quantization), so both ends of the group's range lie within half a step of the grid, and a
-constant group is held exactly. Four-bit codes are
-packed two to a byte. Bytes per slot and head, channels ``d``, ``g`` groups: ``d · bits / 8 + 3 g``.
+tokens to split and requantize. A group's grid spans its own range: ``x ≈ minimum + code · scale`` with ``scale =
+(max - min) / (2^bits - 1)``, both in float16 (an integer zero point, one byte less, cannot span a range away from
+zero: a channel's values over a run of tokens often are, and one-signed groups of a slot occur too); a group's
+ends lie within half a step of the grid, a constant group at its float16 value. Four-bit codes are packed two to
+a byte. Bytes per slot and head, channels ``d``, ``g`` groups: ``d · bits / 8 + 4 g``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch
 
 @dataclasses.dataclass
 class PackedSlots:
-    """Quantized slots (..., T, d): ``codes`` uint8 (..., T, d · bits / 8), ``scales`` float16 and ``zeros`` uint8
+    """Quantized slots (..., T, d): ``codes`` uint8 (..., T, d · bits / 8), ``scales`` and ``minimums`` float16
     (..., T, d / group_size)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
-    zeros: torch.Tensor
+    minimums: torch.Tensor
     bits: int
 
     @property
@@ -33,14 +33,14 @@ class PackedSlots:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes + self.zeros.nbytes
+        return self.codes.nbytes + self.scales.nbytes + self.minimums.nbytes
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
+        return {"codes": self.codes, "scales": self.scales, "minimums": self.minimums}
 
     def map(self, function) -> "PackedSlots":
         """The same slots with ``function`` applied to each tensor along the slot dimension (a gather, a cut)."""
-        return PackedSlots(function(self.codes), function(self.scales), function(self.zeros), self.bits)
+        return PackedSlots(function(self.codes), function(self.scales), function(self.minimums), self.bits)
 
 
 def check_layout(head_dim: int, bits: int, group_size: int) -> None:
@@ -53,18 +53,15 @@ def quantize(tensor: torch.Tensor, bits: int, group_size: int) -> PackedSlots:
     """``tensor`` (..., T, d) as ``bits``-bit codes per group of ``group_size`` channels of each slot."""
     *outer, channels = tensor.shape
     groups = tensor.reshape(*outer, channels // group_size, group_size).float()
-    low, high = groups.amin(-1), groups.amax(-1)
+    low = groups.amin(-1).to(torch.float16).float()  # the grid starts at the stored minimum
     top = (1 << bits) - 1
-    scale = ((high - low) / top).to(torch.float16).float()
-    # a constant group (padding, a zeroed head) is held exactly: its value is one step from zero
-    constant = low.abs().to(torch.float16).float()
-    scale = torch.where(scale > 0, scale, torch.where(constant > 0, constant, torch.ones_like(scale)))
-    zero = torch.round(-low / scale).clamp_(0, top)
-    codes = torch.round(groups / scale[..., None] + zero[..., None]).clamp_(0, top).to(torch.uint8)
+    scale = ((groups.amax(-1) - low) / top).to(torch.float16).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: every code 0 is exact
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, top).to(torch.uint8)
     codes = codes.reshape(*outer, channels)
     if bits == 4:
         codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return PackedSlots(codes, scale.to(torch.float16), zero.to(torch.uint8), bits)
+    return PackedSlots(codes, scale.to(torch.float16), low.to(torch.float16), bits)
 
 
 def dequantize(packed: PackedSlots, dtype: torch.dtype) -> torch.Tensor:
@@ -74,13 +71,13 @@ def dequantize(packed: PackedSlots, dtype: torch.dtype) -> torch.Tensor:
         codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
     groups = packed.scales.shape[-1]
     grouped = codes.reshape(*codes.shape[:-1], groups, codes.shape[-1] // groups).float()
-    values = (grouped - packed.zeros[..., None].float()) * packed.scales[..., None].float()
+    values = grouped * packed.scales[..., None].float() + packed.minimums[..., None].float()
     return values.reshape(codes.shape).to(dtype)
 
 
 def packed_bytes_per_slot(head_dim: int, bits: int, group_size: int) -> int:
-    """Bytes one slot of one head takes quantized: codes, and a float16 scale and a byte of zero per group."""
-    return head_dim * bits // 8 + 3 * (head_dim // group_size)
+    """Bytes one slot of one head takes quantized: codes, and a float16 scale and minimum per group."""
+    return head_dim * bits // 8 + 4 * (head_dim // group_size)
 
 
 @dataclasses.dataclass
@@ -115,7 +112,7 @@ class QuantizedKV:
                                   for held, added in ((self.keys, new_keys), (self.values, new_values)))
 
     def map(self, function) -> None:
-        """Apply ``function`` to every code, scale and zero tensor along the slots (a gather, a fold, a cut)."""
+        """Apply ``function`` to every code, scale and minimum tensor along the slots (a gather, a fold, a cut)."""
         self.keys, self.values = self.keys.map(function), self.values.map(function)
 
     def read(self, residual_keys: torch.Tensor, residual_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
