@@ -147,8 +147,9 @@ class Forward:
         if not layer.started:
             layer.start_slots(keys.shape[0], keys.shape[1], keys.device,
                               per_head=self.parameters.head_selection == "per_head")
-            layer.start_quantization(self.parameters.kv_bits, self.parameters.kv_group_size,
-                                     self.parameters.kv_residual)
+            parameters = self.parameters
+            layer.start_quantization(parameters.kv_bits, parameters.kv_key_group_size,
+                                     parameters.kv_value_group_size, parameters.kv_residual)
             self.budget.start_layer(layer, index)
 
     def _layer_layout(self, layer: CompressedLayer) -> tuple[torch.Tensor, bool]:

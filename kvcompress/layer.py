@@ -114,12 +114,12 @@ class CompressedLayer(DynamicLayer):
             return self.quantized.slots
         return 0 if self.keys is None else self.keys.shape[-2]
 
-    def start_quantization(self, bits: int, group_size: int, residual: int) -> None:
+    def start_quantization(self, bits: int, key_group_size: int, value_group_size: int, residual: int) -> None:
         """Hold the slots as ``bits``-bit codes from now on (``kv_bits``), the ones held so far included (the
         first forward's, from their own full-precision values), with copies of the newest ``residual``."""
         if bits == 16 or self.quantized is not None:
             return
-        self.quantized = QuantizedKV(bits, group_size, residual)
+        self.quantized = QuantizedKV(bits, key_group_size, value_group_size, residual)
         self.quantized.append(self.keys, self.values)
 
     def full_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,8 +410,8 @@ class CompressedLayer(DynamicLayer):
         facts = {"cumulative_length": self.cumulative_length, "started": self.started,
                  "folded_heads": self.folded_heads, "kept_length": self.kept_length,
                  "fewest_units": self._fewest_units,
-                 "quantization": None if quantized is None else [quantized.bits, quantized.group_size,
-                                                                 quantized.residual]}
+                 "quantization": None if quantized is None else [quantized.bits, quantized.key_group_size,
+                                                                 quantized.value_group_size, quantized.residual]}
         return tensors, facts
 
     @classmethod
@@ -422,8 +422,8 @@ class CompressedLayer(DynamicLayer):
         layer.keys, layer.values = tensors["keys"], tensors["values"]
         layer.cumulative_length = int(facts["cumulative_length"])
         if facts.get("quantization"):
-            bits, group_size, residual = facts["quantization"]
-            layer.quantized = QuantizedKV(bits, group_size, residual, *(
+            bits, key_group_size, value_group_size, residual = facts["quantization"]
+            layer.quantized = QuantizedKV(bits, key_group_size, value_group_size, residual, *(
                 PackedSlots(*(tensors[f"quantized.{part}.{name}"] for name in ("codes", "scales", "minimums")), bits)
                 for part in ("keys", "values")))
         if not facts["started"]:

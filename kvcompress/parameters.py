@@ -134,7 +134,8 @@ class KVCacheCompressionParameters:
     head_selection: str = "shared"
     score_threshold: float | None = None
     kv_bits: int = 16
-    kv_group_size: int = 64
+    kv_key_group_size: int = 32
+    kv_value_group_size: int = 64
     kv_residual: int = 32
     scorer_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
@@ -286,9 +287,11 @@ class KVCacheCompressionParameters:
             )
         if self.kv_bits not in KV_BITS:
             raise ValueError(f"kv_bits must be one of {_allowed(KV_BITS)} (16: the model's dtype), got {self.kv_bits}")
-        if self.kv_group_size < 1 or self.kv_residual < 0:
-            raise ValueError(f"kv_group_size must be >= 1 and kv_residual >= 0, got {self.kv_group_size} and "
-                             f"{self.kv_residual}")
+        for name in ("kv_key_group_size", "kv_value_group_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_residual < 0:
+            raise ValueError(f"kv_residual must be >= 0, got {self.kv_residual}")
         if self.kv_bits != 16 and self.rerotate_keys:
             raise ValueError(f"kv_bits={self.kv_bits} is not combined with rerotate_keys=True (rotating quantized keys "
                              "would quantize them again); use one of them")
@@ -378,7 +381,8 @@ def window_unit(fields: Mapping[str, Any]) -> int:
 
 _INT_FIELDS = {
     "group_size", "start_size", "intermediate_size", "recent_size", "window_size", "snapkv_kernel_size",
-    "decode_slack", "refined_size", "kvcrush_seed", "kv_bits", "kv_group_size", "kv_residual",
+    "decode_slack", "refined_size", "kvcrush_seed", "kv_bits", "kv_key_group_size", "kv_value_group_size",
+    "kv_residual",
 }
 _BOOL_FIELDS = {"compress_during_decoding", "rerotate_keys"}
 _FLOAT_FIELDS = {

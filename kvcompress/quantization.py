@@ -43,15 +43,19 @@ class PackedSlots:
         return PackedSlots(function(self.codes), function(self.scales), function(self.minimums), self.bits)
 
 
-def check_layout(head_dim: int, bits: int, group_size: int) -> None:
-    """Refuses a group size the model's head size cannot take (the parameters check the rest)."""
-    if bits != 16 and head_dim % group_size:
-        raise ValueError(f"kv_group_size must divide the model's head size {head_dim}, got {group_size}")
+def check_layout(head_dim: int, bits: int, key_group_size: int, value_group_size: int) -> None:
+    """Refuses group sizes the model's head size cannot take (the parameters check the rest)."""
+    for name, size in (("kv_key_group_size", key_group_size), ("kv_value_group_size", value_group_size)):
+        if bits != 16 and size < head_dim and head_dim % size:
+            raise ValueError(f"{name} must divide the model's head size {head_dim} (or reach it: one group per head), "
+                             f"got {size}")
 
 
 def quantize(tensor: torch.Tensor, bits: int, group_size: int) -> PackedSlots:
-    """``tensor`` (..., T, d) as ``bits``-bit codes per group of ``group_size`` channels of each slot."""
+    """``tensor`` (..., T, d) as ``bits``-bit codes per group of ``group_size`` channels of each slot (the whole
+    head where ``group_size`` reaches ``d``)."""
     *outer, channels = tensor.shape
+    group_size = min(group_size, channels)
     groups = tensor.reshape(*outer, channels // group_size, group_size).float()
     low = groups.amin(-1).to(torch.float16).float()  # the grid starts at the stored minimum
     top = (1 << bits) - 1
@@ -75,11 +79,6 @@ def dequantize(packed: PackedSlots, dtype: torch.dtype) -> torch.Tensor:
     return values.reshape(codes.shape).to(dtype)
 
 
-def packed_bytes_per_slot(head_dim: int, bits: int, group_size: int) -> int:
-    """Bytes one slot of one head takes quantized: codes, and a float16 scale and minimum per group."""
-    return head_dim * bits // 8 + 4 * (head_dim // group_size)
-
-
 @dataclasses.dataclass
 class QuantizedKV:
     """A layer's keys and values quantized, every physical slot of them, codes made once from each slot's own
@@ -88,7 +87,8 @@ class QuantizedKV:
     of their codes (KIVI's residual: the newest tokens draw most attention)."""
 
     bits: int
-    group_size: int
+    key_group_size: int
+    value_group_size: int
     residual: int
     keys: PackedSlots | None = None
     values: PackedSlots | None = None
@@ -103,7 +103,8 @@ class QuantizedKV:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantize new slots (..., q, d) onto the end."""
-        new_keys, new_values = (quantize(tensor, self.bits, self.group_size) for tensor in (keys, values))
+        new_keys, new_values = (quantize(keys, self.bits, self.key_group_size),
+                                quantize(values, self.bits, self.value_group_size))
         if self.keys is None:
             self.keys, self.values = new_keys, new_values
             return

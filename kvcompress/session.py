@@ -92,7 +92,7 @@ class CompressionSession:
             check_rerotation_supported(layout.rotary_emb, type(self.model).__name__)
         config = self.model.config.get_text_config()
         check_layout(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-                     self.parameters.kv_bits, self.parameters.kv_group_size)
+                     self.parameters.kv_bits, self.parameters.kv_key_group_size, self.parameters.kv_value_group_size)
         self.tokenizer = self._tokenizer_if_needed()
         self.scorer.bind(self.model, self.tokenizer)
         self.layout = layout

@@ -48,7 +48,7 @@ LAYOUTS = {
     "evicting at every decode step": ("qwen2", "h2o", 48, {"decode_slack": 0}, None),
     "per_group pages": ("mistral", "tova", 64, {"strategy": "per_group", "group_size": 8}, None),
     "criticalkv": ("phi3", "snapkv", 48, {"refined_algorithm": "criticalkv", "refined_size": 8}, None),
-    "4-bit keys and values, chunked (KVzip's)": ("llama", "kvzip", 0.2, {"kv_bits": 4, "kv_group_size": 8,
+    "4-bit keys and values, chunked (KVzip's)": ("llama", "kvzip", 0.2, {"kv_bits": 4, "kv_key_group_size": 8,
                                                                           "kv_residual": 4}, 48),
 }
 

@@ -4,7 +4,7 @@ packing (two 4-bit codes a byte), the error bound, constant groups, and the byte
 import pytest
 import torch
 
-from kvcompress.quantization import PackedSlots, check_layout, dequantize, packed_bytes_per_slot, quantize
+from kvcompress.quantization import PackedSlots, check_layout, dequantize, quantize
 
 
 def _reference(tensor: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
@@ -58,7 +58,10 @@ def test_gathering_packed_slots_equals_gathering_the_slots():
 
 
 def test_bytes_per_slot_and_the_checks():
-    assert packed_bytes_per_slot(64, 8, 64) == 68 and packed_bytes_per_slot(64, 4, 64) == 36
-    assert quantize(torch.randn(1, 1, 5, 64), 4, 64).nbytes == 5 * 36
-    with pytest.raises(ValueError, match="kv_group_size must divide the model's head size 64"):
-        check_layout(64, 8, 48)
+    assert quantize(torch.randn(1, 1, 5, 64), 8, 64).nbytes == 5 * 68  # codes, a float16 scale and minimum
+    assert quantize(torch.randn(1, 1, 5, 64), 4, 32).nbytes == 5 * (32 + 2 * 4)
+    with pytest.raises(ValueError, match="kv_value_group_size must divide the model's head size 64"):
+        check_layout(64, 8, 32, 48)
+    check_layout(64, 16, 48, 48)  # 16 bits: no groups
+    check_layout(64, 4, 64, 128)  # at least the head: one group per head
+    assert quantize(torch.randn(1, 1, 3, 16), 4, 64).scales.shape == (1, 1, 3, 1)

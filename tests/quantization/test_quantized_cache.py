@@ -29,19 +29,22 @@ def _prefill(model, method, budget, **overrides):
 def test_the_kept_slots_are_the_16_bit_run_s_quantized(method, overrides, bits):
     model = tiny_model("llama")
     _, full = _prefill(model, method, 40, **overrides)
-    _, packed = _prefill(model, method, 40, kv_bits=bits, kv_group_size=8, kv_residual=5, **overrides)
+    _, packed = _prefill(model, method, 40, kv_bits=bits, kv_key_group_size=8, kv_value_group_size=16,
+                         kv_residual=5, **overrides)
     for layer, reference in zip(packed.layers, full.layers):
         assert torch.equal(layer.true_positions, reference.true_positions)
         keys, values = layer.full_keys_values()
         assert layer.keys.shape[-2] == 5 and layer.physical_length == reference.physical_length
-        for got, kept in ((keys, reference.keys), (values, reference.values)):
-            expected = dequantize(quantize(kept, bits, 8), kept.dtype)
+        for got, kept, group in ((keys, reference.keys, 8), (values, reference.values, 16)):
+            expected = dequantize(quantize(kept, bits, group), kept.dtype)
             torch.testing.assert_close(got[..., :-5, :], expected[..., :-5, :], rtol=0, atol=0)
             # the newest five: copies of the originals (the whole prompt is in full precision until its eviction)
             torch.testing.assert_close(got[..., -5:, :], kept[..., -5:, :], rtol=0, atol=0)
     ratio = kv_cache_bytes(packed) / kv_cache_bytes(full)
     head_dim = full.layers[0].keys.shape[-1]
-    per_slot = head_dim * bits / 8 + 4 * head_dim / 8  # codes, a float16 scale and minimum per 8 channels
+    # per slot and head, the mean of a key's and a value's bytes: codes, and a float16 scale and minimum per group
+    # (8 channels of a key, 16 of a value)
+    per_slot = head_dim * bits / 8 + (4 * head_dim / 8 + 4 * head_dim / 16) / 2
     slots = full.layers[0].physical_length
     expected = (slots * per_slot + 5 * head_dim * 4) / (slots * head_dim * 4)  # float32 model: 4 bytes
     assert ratio == pytest.approx(expected, rel=1e-6)
@@ -54,7 +57,8 @@ def test_generation_stays_close_to_the_16_bit_cache(bits):
     with compress(model, method="snapkv", budget=40) as session:
         full = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
                               return_dict_in_generate=True)
-    with compress(model, method="snapkv", budget=40, kv_bits=bits, kv_group_size=16, kv_residual=4) as quantized:
+    with compress(model, method="snapkv", budget=40, kv_bits=bits, kv_key_group_size=16,
+                  kv_value_group_size=16, kv_residual=4) as quantized:
         packed = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
                                 return_dict_in_generate=True)
     layer = packed.past_key_values.layers[0]
@@ -65,11 +69,12 @@ def test_generation_stays_close_to_the_16_bit_cache(bits):
 
 
 def test_the_head_size_is_checked_and_no_residual_holds_codes_only():
-    with pytest.raises(ValueError, match="kv_group_size must divide the model's head size"):
-        with compress(tiny_model("llama"), method="snapkv", budget=40, kv_bits=8, kv_group_size=7):
+    with pytest.raises(ValueError, match="kv_key_group_size must divide the model's head size"):
+        with compress(tiny_model("llama"), method="snapkv", budget=40, kv_bits=8, kv_key_group_size=7):
             pass
     model = tiny_model("llama")
-    with compress(model, method="snapkv", budget=40, kv_bits=4, kv_group_size=16, kv_residual=0) as session:
+    with compress(model, method="snapkv", budget=40, kv_bits=4, kv_key_group_size=16,
+                  kv_value_group_size=16, kv_residual=0) as session:
         out = model.generate(random_tokens(PROMPT), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     layer = out.past_key_values.layers[0]
     assert layer.keys.shape[-2] == 0 and layer.kv_nbytes == layer.quantized.nbytes
@@ -95,7 +100,7 @@ def test_every_layout_decodes_a_padded_batch_close_to_16_bits(layout):
     model = tiny_model("llama")
     ids, mask = left_pad([random_tokens(PROMPT, seed=1), random_tokens(PROMPT - 30, seed=2)])
     runs = []
-    for extra in ({}, {"kv_bits": 8, "kv_group_size": 8, "kv_residual": 3}):
+    for extra in ({}, {"kv_bits": 8, "kv_key_group_size": 8, "kv_residual": 3}):
         with compress(model, method=method, budget=budget, tokenizer=TinyTokenizer(), **overrides, **extra):
             runs.append(model.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10,
                                        do_sample=False, output_scores=True, return_dict_in_generate=True,
