@@ -110,3 +110,21 @@ def test_every_layout_decodes_a_padded_batch_close_to_16_bits(layout):
         assert layer.physical_length == reference.physical_length
     for full, packed in zip(runs[0].scores, runs[1].scores):
         assert (full.softmax(-1) - packed.softmax(-1)).abs().max() < 0.05
+
+
+def test_beam_search_reorders_the_codes_with_the_slots():
+    """Three beams: every reordering moves a layer's codes and scales with its rows (``_select_rows``), so each
+    beam's cache holds its own decoded tokens: the same sequences as the 16-bit run and, slot by slot, keys within
+    8-bit rounding of that run's (a beam reading another beam's codes would be off by far more)."""
+    model = tiny_model("llama")
+    ids = random_tokens(PROMPT)
+    outputs = []
+    for extra in ({}, {"kv_bits": 8, "kv_key_group_size": 8, "kv_residual": 0}):
+        with compress(model, method="snapkv", budget=40, **extra):
+            outputs.append(model.generate(ids, max_new_tokens=6, num_beams=3, num_return_sequences=3,
+                                          do_sample=False, return_dict_in_generate=True))
+    assert torch.equal(outputs[0].sequences, outputs[1].sequences)
+    assert len({tuple(row[-4:].tolist()) for row in outputs[0].sequences}) > 1  # the beams differ
+    for layer, reference in zip(outputs[1].past_key_values.layers, outputs[0].past_key_values.layers):
+        keys = layer.full_keys_values()[0]
+        assert (keys - reference.keys).abs().max() <= reference.keys.abs().max() / 100
