@@ -122,9 +122,7 @@ class QuantizedKV:
         older = self.slots - residual_keys.shape[-2]
         if older == 0:
             return residual_keys, residual_values
-        cut = self.keys.map(lambda t: t[..., :older, :]), self.values.map(lambda t: t[..., :older, :])
-        return (torch.cat([dequantize(cut[0], residual_keys.dtype), residual_keys], dim=-2),
-                torch.cat([dequantize(cut[1], residual_values.dtype), residual_values], dim=-2))
+        return _read(self.keys, older, residual_keys), _read(self.values, older, residual_values)
 
     def keep(self, gather, index: torch.Tensor, residual_index: torch.Tensor, from_residual: torch.Tensor,
              residual_keys: torch.Tensor, residual_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,3 +143,19 @@ class QuantizedKV:
             mask = newest[2].unsqueeze(-1) if newest[2].dim() == 3 else newest[2][:, None, :, None]
             copied.append(torch.where(mask, gather(residual, newest[1]), decoded))
         return copied[0], copied[1]
+
+
+def _read(packed: PackedSlots, older: int, residual: torch.Tensor) -> torch.Tensor:
+    """The first ``older`` slots of ``packed`` dequantized, then ``residual``, in one new tensor: on CPU by the
+    compiled kernel's one pass (``kernels/quantized_slots.cpp``), elsewhere (or without a compiler) in torch."""
+    from .kernels import native
+
+    kernel = native.kernel() if residual.is_cpu else None
+    if kernel is None:
+        cut = packed.map(lambda tensor: tensor[..., :older, :])
+        return torch.cat([dequantize(cut, residual.dtype), residual], dim=-2)
+    out = residual.new_empty(*residual.shape[:-2], older + residual.shape[-2], residual.shape[-1])
+    codes, scales, minimums = (tensor.contiguous() for tensor in packed.tensors().values())
+    kernel.dequantize_slots(codes, scales, minimums, packed.bits, older, out)
+    out[..., older:, :] = residual
+    return out

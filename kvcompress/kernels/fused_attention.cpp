@@ -688,7 +688,12 @@ int64_t parallel_threads() {
   return chunks;
 }
 
+// quantized_slots.cpp
+void dequantize_slots(torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums, int64_t bits, int64_t slots,
+                      torch::Tensor out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dequantize_slots", &dequantize_slots, "Quantized slots (kvcompress/quantization.py) into full precision");
   m.def("fused_attention", &fused_attention, "Causal attention output and column sums (or maxima) of its weights");
   m.def("parallel_threads", &parallel_threads, "Threads the kernel's parallel loops run on");
   m.def("bfloat16_products", &bfloat16_products, "Whether bfloat16 inputs are multiplied without float32 copies");

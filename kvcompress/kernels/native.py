@@ -27,6 +27,7 @@ from kvcompress.models import cpu_has_native_bfloat16
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("fused_attention.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("quantized_slots.cpp"))  # one module: the kernel, and quantized slots
 # Query rows per block and keys per block: a block of logits (rows × keys floats) stays in the core's cache while
 # it is exponentiated and multiplied with the values (chosen on SmolLM2 shapes: benchmarks/attention_kernel.py).
 ROW_BLOCK = 64
@@ -106,7 +107,7 @@ def _build() -> ModuleType:
     flags = ["-O3", "-fopenmp"]
     if capability in _CAPABILITY_FLAGS:
         flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *_CAPABILITY_FLAGS[capability]]
-    name = build_name(SOURCE, capability, flags)
+    name = build_name(SOURCES, capability, flags)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
     )
@@ -117,7 +118,7 @@ def _build() -> ModuleType:
         logger.debug("kvcompress: loading the fused CPU attention kernel from %s", directory)
     else:
         logger.info("kvcompress: compiling the fused CPU attention kernel (once per machine, ~1 min) in %s", directory)
-    return load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    return load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                 build_directory=str(directory), verbose=False)
 
 
@@ -131,10 +132,12 @@ def _built(library: Path) -> bool:
         return False
 
 
-def build_name(source: Path, capability: str, flags: list[str]) -> str:
-    """One build per source file (its place and its text) and flags: two checkouts or installs sharing torch's
-    build cache would otherwise rebuild over each other each time the other one ran (a minute inside a run)."""
-    fingerprint = hashlib.sha1("\0".join([str(source.resolve()), source.read_text(), *flags]).encode()).hexdigest()
+def build_name(sources: tuple[Path, ...], capability: str, flags: list[str]) -> str:
+    """One build per set of source files (their places and their texts) and flags: two checkouts or installs
+    sharing torch's build cache would otherwise rebuild over each other each time the other one ran (a minute
+    inside a run)."""
+    texts = [part for source in sources for part in (str(source.resolve()), source.read_text())]
+    fingerprint = hashlib.sha1("\0".join([*texts, *flags]).encode()).hexdigest()
     return f"kvcompress_fused_attention_{capability.lower()}_{fingerprint[:10]}"
 
 

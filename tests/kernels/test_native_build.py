@@ -45,14 +45,15 @@ def test_a_failed_build_warns_once_and_falls_back_to_torch(monkeypatch):
 
 
 def test_each_checkout_and_source_text_gets_its_own_build(tmp_path):
-    copy = tmp_path / native.SOURCE.name
-    copy.write_text(native.SOURCE.read_text())
+    copies = tuple(tmp_path / source.name for source in native.SOURCES)
+    for copy, source in zip(copies, native.SOURCES):
+        copy.write_text(source.read_text())
     names = {
-        native.build_name(native.SOURCE, "AVX2", ["-O3"]),
-        native.build_name(copy, "AVX2", ["-O3"]),  # another checkout of the same text
-        native.build_name(native.SOURCE, "AVX2", ["-O2"]),
+        native.build_name(native.SOURCES, "AVX2", ["-O3"]),
+        native.build_name(copies, "AVX2", ["-O3"]),  # another checkout of the same text
+        native.build_name(native.SOURCES, "AVX2", ["-O2"]),
     }
-    copy.write_text(native.SOURCE.read_text() + "// edited\n")
-    names.add(native.build_name(copy, "AVX2", ["-O3"]))
+    copies[1].write_text(native.SOURCES[1].read_text() + "// edited\n")  # any of the sources
+    names.add(native.build_name(copies, "AVX2", ["-O3"]))
     assert len(names) == 4
-    assert native.build_name(native.SOURCE, "AVX2", ["-O3"]) in names  # stable for the same inputs
+    assert native.build_name(native.SOURCES, "AVX2", ["-O3"]) in names  # stable for the same inputs

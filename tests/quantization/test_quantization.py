@@ -65,3 +65,22 @@ def test_bytes_per_slot_and_the_checks():
     check_layout(64, 16, 48, 48)  # 16 bits: no groups
     check_layout(64, 4, 64, 128)  # at least the head: one group per head
     assert quantize(torch.randn(1, 1, 3, 16), 4, 64).scales.shape == (1, 1, 3, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_compiled_read_equals_torch_s(monkeypatch, dtype, bits):
+    """``QuantizedKV.read`` on the compiled kernel (``kernels/quantized_slots.cpp``) and in torch: the same tensors,
+    bit for bit (the same two roundings per element), on a folded layer's shape with one group per head for keys."""
+    from kvcompress.kernels import native
+    from kvcompress.quantization import QuantizedKV
+
+    assert native.kernel() is not None
+    keys, values = (torch.randn(2, 1, 37, 48, generator=torch.Generator().manual_seed(seed)).to(dtype) * 4 - 1
+                    for seed in (1, 2))
+    held = QuantizedKV(bits, 48, 16, residual=5)
+    held.append(keys, values)
+    compiled = held.read(keys[..., -5:, :], values[..., -5:, :])
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    plain = held.read(keys[..., -5:, :], values[..., -5:, :])
+    assert all(torch.equal(a, b) for a, b in zip(compiled, plain))
