@@ -56,6 +56,9 @@ def quantize(tensor: torch.Tensor, bits: int, group_size: int) -> PackedSlots:
     head where ``group_size`` reaches ``d``)."""
     *outer, channels = tensor.shape
     group_size = min(group_size, channels)
+    kernel = _compiled() if tensor.is_cpu else None
+    if kernel is not None:  # the same arithmetic in one pass (kernels/quantized_slots.cpp)
+        return PackedSlots(*kernel.quantize_slots(tensor.contiguous(), bits, group_size), bits)
     groups = tensor.reshape(*outer, channels // group_size, group_size).float()
     low = groups.amin(-1).to(torch.float16).float()  # the grid starts at the stored minimum
     top = (1 << bits) - 1
@@ -148,9 +151,7 @@ class QuantizedKV:
 def _read(packed: PackedSlots, older: int, residual: torch.Tensor) -> torch.Tensor:
     """The first ``older`` slots of ``packed`` dequantized, then ``residual``, in one new tensor: on CPU by the
     compiled kernel's one pass (``kernels/quantized_slots.cpp``), elsewhere (or without a compiler) in torch."""
-    from .kernels import native
-
-    kernel = native.kernel() if residual.is_cpu else None
+    kernel = _compiled() if residual.is_cpu else None
     if kernel is None:
         cut = packed.map(lambda tensor: tensor[..., :older, :])
         return torch.cat([dequantize(cut, residual.dtype), residual], dim=-2)
@@ -159,3 +160,10 @@ def _read(packed: PackedSlots, older: int, residual: torch.Tensor) -> torch.Tens
     kernel.dequantize_slots(codes, scales, minimums, packed.bits, older, out)
     out[..., older:, :] = residual
     return out
+
+
+def _compiled():
+    """The compiled CPU module (``kernels/native.py``), or None (no compiler, ``KVCOMPRESS_NATIVE=0``)."""
+    from .kernels import native
+
+    return native.kernel()

@@ -691,9 +691,11 @@ int64_t parallel_threads() {
 // quantized_slots.cpp
 void dequantize_slots(torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums, int64_t bits, int64_t slots,
                       torch::Tensor out);
+std::vector<torch::Tensor> quantize_slots(torch::Tensor tensor, int64_t bits, int64_t group_size);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_slots", &dequantize_slots, "Quantized slots (kvcompress/quantization.py) into full precision");
+  m.def("quantize_slots", &quantize_slots, "Slots (..., T, d) as codes, scales and minimums");
   m.def("fused_attention", &fused_attention, "Causal attention output and column sums (or maxima) of its weights");
   m.def("parallel_threads", &parallel_threads, "Threads the kernel's parallel loops run on");
   m.def("bfloat16_products", &bfloat16_products, "Whether bfloat16 inputs are multiplied without float32 copies");

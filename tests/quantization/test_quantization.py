@@ -84,3 +84,20 @@ def test_the_compiled_read_equals_torch_s(monkeypatch, dtype, bits):
     monkeypatch.setattr(native, "kernel", lambda: None)
     plain = held.read(keys[..., -5:, :], values[..., -5:, :])
     assert all(torch.equal(a, b) for a, b in zip(compiled, plain))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits, group", [(8, 16), (4, 8), (4, 48)])
+def test_the_compiled_quantizer_equals_torch_s(monkeypatch, dtype, bits, group):
+    """``quantize`` on the compiled kernel and in torch: the same codes, scales and minimums, bit for bit (constant
+    and one-signed groups included)."""
+    from kvcompress.kernels import native
+
+    assert native.kernel() is not None
+    tensor = (torch.randn(2, 3, 21, 48, generator=torch.Generator().manual_seed(4)) * 4 - 1).to(dtype)
+    tensor[0, 0, :, :16] = 2.5
+    tensor[1, 2, :, 16:32] += 30
+    compiled = quantize(tensor, bits, group)
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    plain = quantize(tensor, bits, group)
+    assert all(torch.equal(a, b) for a, b in zip(compiled.tensors().values(), plain.tensors().values()))
