@@ -60,11 +60,15 @@ def _slots(layer) -> int:
     return layer.physical_length if isinstance(layer, CompressedLayer) else layer.keys.shape[-2]
 
 
-def kv_cache_bytes(cache: Cache) -> int:
-    """Bytes held by the keys and values of every layer (codes, scales and full-precision copies where a layer
+def layer_kv_bytes(layer) -> int:
+    """Bytes held by a layer's keys and values (codes, scales and full-precision copies where a compressed layer
     holds them quantized)."""
-    return sum(layer.kv_nbytes if isinstance(layer, CompressedLayer) else layer.keys.nbytes + layer.values.nbytes
-               for layer in _filled_layers(cache))
+    return layer.kv_nbytes if isinstance(layer, CompressedLayer) else layer.keys.nbytes + layer.values.nbytes
+
+
+def kv_cache_bytes(cache: Cache) -> int:
+    """Bytes held by the keys and values of every layer."""
+    return sum(layer_kv_bytes(layer) for layer in _filled_layers(cache))
 
 
 def state_bytes(cache: Cache) -> int:

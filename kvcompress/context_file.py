@@ -66,7 +66,7 @@ def save_context(session: CompressionSession, target: str | os.PathLike) -> dict
 def context_contents(session: CompressionSession) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of ``session``'s context file (checksum included)."""
     from . import __version__
-    from .cache import full_cache_bytes, kv_cache_bytes
+    from .cache import full_cache_bytes, kv_cache_bytes, layer_kv_bytes
 
     cache, mask, ids = session.context
     tensors: dict[str, torch.Tensor] = {"context.ids": ids, "context.mask": mask}
@@ -74,8 +74,7 @@ def context_contents(session: CompressionSession) -> tuple[dict[str, torch.Tenso
     for index, layer in enumerate(cache.layers):
         layer_tensors, facts = _layer_contents(layer, index)
         tensors.update({f"layers.{index}.{name}": tensor for name, tensor in layer_tensors.items()})
-        held = layer.kv_nbytes if isinstance(layer, CompressedLayer) else layer.keys.nbytes + layer.values.nbytes
-        layers.append({**facts, "kv_bytes": held})
+        layers.append({**facts, "kv_bytes": layer_kv_bytes(layer)})
     plan_tensors, plan_facts = session.budget.saved()
     tensors.update({f"plan.{name}": tensor for name, tensor in plan_tensors.items()})
     tensors, encodings = _encoded({name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()})

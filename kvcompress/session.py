@@ -90,9 +90,9 @@ class CompressionSession:
                     "true positions while compressed layers would use compact ones"
                 )
             check_rerotation_supported(layout.rotary_emb, type(self.model).__name__)
-        config = self.model.config.get_text_config()
-        check_layout(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-                     self.parameters.kv_bits, self.parameters.kv_key_group_size, self.parameters.kv_value_group_size)
+        for index in layout.compressed_layers[:1]:  # every attention module of a model has one head size
+            check_layout(layout.attention_modules[index].head_dim, self.parameters.kv_bits,
+                         self.parameters.kv_key_group_size, self.parameters.kv_value_group_size)
         self.tokenizer = self._tokenizer_if_needed()
         self.scorer.bind(self.model, self.tokenizer)
         self.layout = layout

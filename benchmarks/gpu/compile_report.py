@@ -31,9 +31,7 @@ from kvcompress.kernels import ahead_of_time, triton_blocks  # noqa: E402
 
 def compile_report(head_dims: list[int]) -> list[dict]:
     """One row per kernel, dtype, head dimension and architecture."""
-    cases = [case for head_dim in head_dims for dtype in ahead_of_time.DTYPES
-             for capability in ahead_of_time.ARCHITECTURES
-             for case in ahead_of_time.for_target(ahead_of_time.launches(dtype, head_dim), capability)]
+    cases = ahead_of_time.widest_launches(tuple(head_dims))
     results = ahead_of_time.compile_all(cases, depth="cubin")
     return [dict(kernel=case["kernel"], dtype=case["dtype"], head_dim=case["constexprs"]["BLOCK_D"],
                  architecture=case["target"], limit=triton_blocks.shared_memory(divmod(case["target"], 10)),

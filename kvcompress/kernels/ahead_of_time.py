@@ -56,6 +56,12 @@ def for_target(cases: list[dict], capability: tuple[int, int]) -> list[dict]:
     return [case | dict(target=capability[0] * 10 + capability[1]) for case in cases]
 
 
+def widest_launches(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict]:
+    """The widest launch of every kernel for every head dimension, dtype and architecture, as compile cases."""
+    return [case for head_dim in head_dims for dtype in DTYPES for capability in ARCHITECTURES
+            for case in for_target(launches(dtype, head_dim), capability)]
+
+
 def compile_all(cases: list[dict], depth: str = "shared", workers: int | None = None) -> list[dict]:
     """Each case's ``shared`` bytes (``"cubin"``: also ``registers``, ``spill_stores``, ``spill_loads``), or its
     compile ``error``, in the cases' order; the cases are shared among ``workers`` processes (default: the CPUs)."""

@@ -22,9 +22,7 @@ EVERY_FLAG_ENTRY = ((9, 0), torch.bfloat16, 128)  # the largest tiles
 def compiled() -> dict[str, list[tuple[dict, dict]]]:
     """The widest launches of every table entry on every architecture and the every-flag launches of one,
     compiled in one go."""
-    widest = [case for capability in ahead_of_time.ARCHITECTURES for dtype in ahead_of_time.DTYPES
-              for head_dim in ahead_of_time.HEAD_DIMS
-              for case in ahead_of_time.for_target(ahead_of_time.launches(dtype, head_dim), capability)]
+    widest = ahead_of_time.widest_launches()
     capability, dtype, head_dim = EVERY_FLAG_ENTRY
     every_flag = ahead_of_time.for_target(ahead_of_time.launches(dtype, head_dim, every_flag=True), capability)
     results = ahead_of_time.compile_all(widest + every_flag)
