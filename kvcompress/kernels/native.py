@@ -26,8 +26,8 @@ from kvcompress.models import cpu_has_native_bfloat16
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("fused_attention.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("quantized_slots.cpp"))  # one module: the kernel, and quantized slots
+# one module: the fused attention kernel, and quantized slots' codes
+SOURCES = (Path(__file__).with_name("fused_attention.cpp"), Path(__file__).with_name("quantized_slots.cpp"))
 # Query rows per block and keys per block: a block of logits (rows × keys floats) stays in the core's cache while
 # it is exponentiated and multiplied with the values (chosen on SmolLM2 shapes: benchmarks/attention_kernel.py).
 ROW_BLOCK = 64
