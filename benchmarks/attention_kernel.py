@@ -67,7 +67,7 @@ def candidates(call: str, slots: int, dtype: torch.dtype) -> dict:
         def float32_copies():
             copies = [tensor.float() for tensor in (queries, keys, values)]
             return native.kernel().fused_attention(*copies, SCALE, EMPTY, EMPTY, reduce == "max", native.ROW_BLOCK,
-                                                   native.KEY_BLOCK, EMPTY)
+                                                   native.KEY_BLOCK, EMPTY, [], 0)
 
         functions["kernel on float32 copies"] = (float32_copies, calls)
     if call == "reconstruction":

@@ -85,12 +85,16 @@ class Forward:
         The scorer sees the module's own post-RoPE queries and the updated cache; where it computes the
         attention output in the same pass (H2O and decode steps, KVzip's reconstruction), the original function
         does not run. Training-mode calls (dropout) and calls that return attention weights always keep the
-        original function for the output.
+        original function for the output. Of a quantized layer, ``key`` and ``value`` hold the slots kept in full
+        precision, after the oldest ones only codes hold (``layer.coded_slots``): the compiled kernel reads those
+        codes, every other path a full-precision copy of them.
         """
         started = time.perf_counter()
         layer = self.cache.layers[module.layer_idx]
         self._start_layer(layer, module.layer_idx, key)
-        cached = key.shape[-2] - layer.new_slots(query.shape[2])
+        coded = layer.coded_slots(key, value)
+        total = key.shape[-2] if coded is None else coded.slots
+        cached = total - layer.new_slots(query.shape[2])
         if layer.tracked_slots != cached:
             raise RuntimeError(
                 f"kvcompress: layer {module.layer_idx} holds {cached} cached slots but its scores cover "
@@ -107,20 +111,21 @@ class Forward:
         scored = self.parameters.intermediate_size > 0  # with no scored area only fixed windows survive
         folded_rule = layer.folded_heads is not None and scored and self.scorer.scores_folded_layers
         per_token = self.scorer.combine == "once"
-        folded_observed = self._observe(key.shape[-2])[0] if folded_rule and not per_token else None
-        own = layer.own_attention(query, key, value, layout, scaling, kwargs.get("softcap"), folded_observed, all_live)
+        folded_observed = self._observe(total)[0] if folded_rule and not per_token else None
+        own = layer.own_attention(query, key, value, layout, scaling, kwargs.get("softcap"), folded_observed, all_live,
+                                  coded)
         output = None
         if own is not None:
             output, head_scores = own
         if scored and (own is None or folded_rule and per_token):
             call = AttentionCall(
                 module=module, queries=query, keys=key, values=value, slot_valid=layout,
-                observed=self._observe(key.shape[-2])[0], scaling=scaling, softcap=kwargs.get("softcap"),
+                observed=self._observe(total)[0], scaling=scaling, softcap=kwargs.get("softcap"),
                 all_live=all_live,
                 # the caller may want the original's weights (output_attentions) or its dropout
                 may_fuse=not kwargs.get("dropout") and not kwargs.get("output_attentions") and own is None,
                 positions=self.positions, replay=self.replay,
-                hidden_states=hidden_states,
+                hidden_states=hidden_states, coded=coded,
             )
             head_scores, scorer_output = self.scorer.attend(call, layer)
             if own is None:
@@ -132,6 +137,8 @@ class Forward:
         if output is None:
             if self.layout is None:  # this layer's own length: the decoder's mask cannot fit it
                 attention_mask = None if all_live and query.shape[2] == 1 else additive_mask(layout, query)
+            if coded is not None:
+                key, value = coded.dense()
             result = original(module, query, key, value, attention_mask, **kwargs)
         else:
             result = output, None

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .quantization import PackedSlots, QuantizedKV
+from .quantization import CodedSlots, PackedSlots, QuantizedKV
 from .ragged import fold_kept, fold_new_tokens, folded_attention, folded_head_of_new, per_new_slot
 from .rerotation import rotate_keys
 from .selection.windows import left_aligned_indices
@@ -73,6 +73,9 @@ class CompressedLayer(DynamicLayer):
         self.cumulative_length = 0  # tokens seen, padding included: the length of generate's 2-D mask
         # with ``kv_bits`` below 16: every slot's codes; ``keys`` / ``values`` then hold copies of the newest only
         self.quantized: QuantizedKV | None = None
+        # set by a session for its forwards, whose attention reads the codes (``coded_slots``): ``update`` then
+        # returns only the slots held in full precision; any other caller gets every slot, dequantized
+        self.attention_reads_codes = False
         self._clear_slots()
 
     def _clear_slots(self) -> None:
@@ -128,6 +131,11 @@ class CompressedLayer(DynamicLayer):
             return self.keys, self.values
         return self.quantized.read(self.keys, self.values)
 
+    def coded_slots(self, keys: torch.Tensor, values: torch.Tensor) -> CodedSlots | None:
+        """The slots before ``keys`` / ``values`` (what ``update`` returned) that only codes hold, as attention
+        reads them; None where those hold every slot."""
+        return None if self.quantized is None else self.quantized.coded(keys, values)
+
     @property
     def live(self) -> torch.Tensor:
         """(B,) int64: live slots per sequence."""
@@ -155,7 +163,8 @@ class CompressedLayer(DynamicLayer):
         self.cumulative_length += tokens
         if self.quantized is None:
             return keys, values
-        keys, values = self.quantized.read(keys, values)
+        if not self.attention_reads_codes:
+            keys, values = self.quantized.read(keys, values)
         excess = self.keys.shape[-2] - self.quantized.residual
         if tokens == 1 and excess > 0:  # a decode step: slots older than the residual keep their codes only (a
             # prompt stays in full precision until its eviction, which its scores and reconstruction passes decide)
@@ -277,19 +286,19 @@ class CompressedLayer(DynamicLayer):
         return tokens * (self.folded_heads or 1)
 
     def own_attention(self, query, key, value, layout: torch.Tensor, scaling: float, softcap: float | None,
-                      observed: torch.Tensor | None = None,
-                      all_live: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                      observed: torch.Tensor | None = None, all_live: bool | None = None,
+                      coded: CodedSlots | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The attention output of a layer whose layout the model's attention cannot take (a folded one:
         ``ragged.folded_attention`` over its per-head slots, ``layout`` its slots' validity this forward, and
-        ``all_live`` whether the caller knows them all live), with the most attention the ``observed`` queries
-        give each slot (B, 1, M) where asked; None for any other layer (the scorer's pass or the model's own
-        function computes it)."""
+        ``all_live`` whether the caller knows them all live, ``coded`` the oldest slots only codes hold), with the
+        most attention the ``observed`` queries give each slot (B, 1, M) where asked; None for any other layer (the
+        scorer's pass or the model's own function computes it)."""
         if self.folded_heads is None:
             return None
         batch, _, length, _ = query.shape
         heads = torch.cat([self.slot_head, folded_head_of_new(self.folded_heads, length, batch, query.device)], dim=-1)
         return folded_attention(query, key, value, layout, heads, self.folded_heads, scaling, softcap, observed,
-                                all_live)
+                                all_live, coded)
 
     # ------------------------------------------------------------------ the layer's budget
     @property

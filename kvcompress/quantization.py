@@ -120,12 +120,15 @@ class QuantizedKV:
         self.keys, self.values = self.keys.map(function), self.values.map(function)
 
     def read(self, residual_keys: torch.Tensor, residual_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every slot in full precision for attention: the older ones dequantized, then the residual copies of the
-        newest ones."""
+        """Every slot in full precision: the older ones dequantized, then the residual copies of the newest ones."""
+        coded = self.coded(residual_keys, residual_values)
+        return (residual_keys, residual_values) if coded is None else coded.dense()
+
+    def coded(self, residual_keys: torch.Tensor, residual_values: torch.Tensor) -> "CodedSlots | None":
+        """The slots before the full-precision ``residual_keys`` / ``residual_values`` (the newest slots), which
+        only codes hold, as attention reads them; None where the full-precision tensors hold every slot."""
         older = self.slots - residual_keys.shape[-2]
-        if older == 0:
-            return residual_keys, residual_values
-        return _read(self.keys, older, residual_keys), _read(self.values, older, residual_values)
+        return None if older == 0 else CodedSlots(self.keys, self.values, older, residual_keys, residual_values)
 
     def keep(self, gather, index: torch.Tensor, residual_index: torch.Tensor, from_residual: torch.Tensor,
              residual_keys: torch.Tensor, residual_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +149,40 @@ class QuantizedKV:
             mask = newest[2].unsqueeze(-1) if newest[2].dim() == 3 else newest[2][:, None, :, None]
             copied.append(torch.where(mask, gather(residual, newest[1]), decoded))
         return copied[0], copied[1]
+
+
+@dataclasses.dataclass
+class CodedSlots:
+    """A quantized layer's keys and values as one attention call reads them: its oldest ``count`` slots, which only
+    codes hold (the first ``count`` of ``keys`` / ``values``), then the full-precision ``held_keys`` /
+    ``held_values`` (B, H_kv, T - count, d) the cache's update returned. The compiled CPU kernel dequantizes the
+    coded slots as it reads them (``kernels/fused_attention.cpp``), so that no full-precision copy of the layer is
+    made; every other path reads ``dense()``, made once."""
+
+    keys: PackedSlots
+    values: PackedSlots
+    count: int
+    held_keys: torch.Tensor
+    held_values: torch.Tensor
+    _dense: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def slots(self) -> int:
+        """Every slot the call reads: the coded ones and the held ones."""
+        return self.count + self.held_keys.shape[-2]
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's keys and values in full precision (B, H_kv, T, d)."""
+        if self._dense is None:
+            self._dense = (_read(self.keys, self.count, self.held_keys),
+                           _read(self.values, self.count, self.held_values))
+        return self._dense
+
+    def kernel_operands(self, heads: int) -> list[torch.Tensor]:
+        """Codes, scales and minimums of the keys, then of the values, as the compiled kernel takes them: a folded
+        layer's one row (B, 1, S, ...) expanded to ``heads`` KV heads (a view), as its keys are."""
+        tensors = [*self.keys.tensors().values(), *self.values.tensors().values()]
+        return [tensor.expand(-1, heads, -1, -1) if tensor.shape[1] != heads else tensor for tensor in tensors]
 
 
 def _read(packed: PackedSlots, older: int, residual: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,14 @@ copy of the cache: torch's sdpa on CPU, the eager formula on accelerators, whose
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 from .kernels.attention import folded_single_query, per_head_rows_attention, per_head_rows_serve
+
+if TYPE_CHECKING:
+    from .quantization import CodedSlots
 
 LOGIT_ELEMENTS = 1 << 25  # the most logits a folded layer's eager attention holds at once (a chunk of rows)
 
@@ -86,6 +90,7 @@ def folded_attention(
     softcap: float | None = None,
     observed: torch.Tensor | None = None,
     all_live: bool | None = None,
+    coded: CodedSlots | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention output (B, q, H, d) of queries (B, H, q, d) over a folded layer's slots (B, 1, M, d), and with
     ``observed`` (B, q) the most attention any observed query gives each slot (B, 1, M) float32, else None.
@@ -98,14 +103,19 @@ def folded_attention(
     dead slots too. A slot's score is KVzip's rule on the folded layout: only the queries of
     its own KV head's group can see it, so the most attention any observed row gives it is the most its group
     gives it, as ``kernels.attention.observed_attention(reduce="max")`` scores a rectangular layer. ``all_live``:
-    the caller knows every slot live (the kernel's checks are spared).
+    the caller knows every slot live (the kernel's checks are spared). ``coded``: a quantized layer's oldest slots,
+    which only codes hold (``keys`` and ``values`` then hold the slots after them): a decode step's compiled kernel
+    reads the codes, every other path their full-precision copy.
     """
     batch, query_heads, length, dim = query.shape
     if length == 1 and not softcap:
-        step = folded_single_query(query, keys, values, slot_valid, slot_head, kv_heads, scaling, observed, all_live)
+        step = folded_single_query(query, keys, values, slot_valid, slot_head, kv_heads, scaling, observed, all_live,
+                                   coded)
         if step is not None:
             return step
-    elif not softcap and per_head_rows_serve(query, keys, values):
+    if coded is not None:
+        keys, values = coded.dense()
+    if length > 1 and not softcap and per_head_rows_serve(query, keys, values):
         return _as_head_rows(query, keys, values, slot_valid, slot_head, kv_heads, scaling, observed)
     group = query_heads // kv_heads
     device = query.device

@@ -68,6 +68,7 @@ class CompressionSession:
         self._clock: float | None = None  # when the model's forward in flight started
         self._forward: Forward | None = None  # the forward in flight (forward.py)
         self._handles: list[Any] = []
+        self._reading_codes: list[CompressedLayer] = []  # layers whose attention reads codes (the forward's)
         self._replaying = False  # inside a context-reconstruction pass (KVzip): nothing joins the sequence
         self._restore_attention = None
         # a prefilled context: its cache, 2-D mask and token ids; kept after the block, for the next one
@@ -137,6 +138,7 @@ class CompressionSession:
             self._restore_attention()
             self._restore_attention = None
         # the latest cache stays readable (``report``), and a prefilled context waits for the next block's questions
+        self._read_codes_in([])
         self._forward = None
         self._replaying = False
         _ACTIVE_MODELS.discard(self.model)
@@ -344,6 +346,7 @@ class CompressionSession:
         self.cache = cache
         seen = cache.get_seq_length()
         layers = [cache.layers[index] for index in self.compressed_layers]
+        self._read_codes_in(layers)
         if layers[0].started and layers[0].slot_valid.shape[0] != batch:
             raise ValueError(
                 f"kvcompress: the cache holds {layers[0].slot_valid.shape[0]} sequences, the input {batch}; continue "
@@ -390,6 +393,7 @@ class CompressionSession:
 
     def _after_decoder(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         forward, self._forward = self._forward, None
+        self._read_codes_in([])
         if forward is None or forward.replay:  # a reconstruction pass: its tokens were dropped layer by layer
             return
         if forward.attended != len(self.compressed_layers):
@@ -403,6 +407,16 @@ class CompressionSession:
         if forward.due:  # a decode step's evictions, or a prompt's whose layers share one budget or were reconstructed
             forward.evict(forward.due, slack, allocate=forward.length > 1 and self.parameters.layers_share_budget)
         self.evictions += forward.evicted or bool(forward.due)
+
+    def _read_codes_in(self, layers: list[CompressedLayer]) -> None:
+        """Let the attention of ``layers`` read their codes (``Forward.attend``), and no other layer's: a layer's
+        ``update`` returns only its full-precision slots while it is set, which only the session's attention reads,
+        so that it is cleared when the forward ends or fails (the next one's start) and when the session ends."""
+        for layer in self._reading_codes:
+            layer.attention_reads_codes = False
+        for layer in layers:
+            layer.attention_reads_codes = True
+        self._reading_codes = layers
 
     def _reconstruct(self, forward: Forward, selected: torch.Tensor) -> None:
         """The scorer's context-reconstruction passes (KVzip) over the full cache of this prompt, each sequence's

@@ -38,10 +38,14 @@ What keeps this cheap (it runs inside every forward of every compressed layer):
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcompress.kernels import native, triton_attention
+
+if TYPE_CHECKING:
+    from kvcompress.quantization import CodedSlots
 
 # Query rows per chunk (see the module docstring), and the bound on float32 logits held at once as a multiple of
 # the forward's hidden states (B · q · H · d elements); MIN/MAX keep chunks sensible for tiny models and huge
@@ -74,6 +78,7 @@ def observed_attention(
     all_live: bool | None = None,
     reduce: str = "sum",
     first_row: int = 0,
+    coded: CodedSlots | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of the observed queries of this forward, reduced over them and the query heads of each
     KV group (``reduce="sum"``, the column sums; ``"max"``, the most any of them gives each slot), and the
@@ -89,22 +94,27 @@ def observed_attention(
     is laid out as transformers' attention functions return it: (B, q, H, d). ``all_live`` (every slot live,
     hence every token real), when the caller knows it, spares the per-layer checks. ``first_row``: no query
     before it is observed (a bound the caller knows, such as SnapKV's window), so that a pass without output
-    starts there.
+    starts there. ``coded``: a quantized layer's oldest slots, which only codes hold (``keys`` and ``values`` then
+    hold the slots after them): the compiled kernel reads the codes, every other path their full-precision copy.
     """
     batch, heads, length, head_dim = queries.shape
-    total, kv_heads = keys.shape[-2], keys.shape[1]
+    kv_heads = keys.shape[1]
     groups = heads // kv_heads
     per_head = pooling is not None and pooling[1] > 1
     if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
     maximum = reduce == "max"
-    if values is not None and not per_head and not softcap:
-        if native.supports(queries, keys, values):
-            kernel = native.kernel()
-            if kernel is not None:
-                return _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live, maximum)
-        if length > 1 and triton_serves(queries, keys, values):
-            return _triton_fused(queries, keys, values, slot_valid, observed, scaling, all_live, maximum)
+    fused = values is not None and not per_head and not softcap
+    kernel = native.kernel() if fused and native.supports(queries, keys, values) else None
+    if kernel is not None:
+        return _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live, maximum,
+                             coded=coded)
+    if coded is not None:
+        keys, dense_values = coded.dense()
+        values = None if values is None else dense_values
+    total = keys.shape[-2]
+    if fused and length > 1 and triton_serves(queries, keys, values):
+        return _triton_fused(queries, keys, values, slot_valid, observed, scaling, all_live, maximum)
     if length == 1 and not per_head:
         return _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live, maximum)
 
@@ -196,12 +206,14 @@ def _irregular(slot_valid: torch.Tensor, observed: torch.Tensor, all_live: bool 
 
 
 def _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live, maximum,
-                  folded: tuple[torch.Tensor, int] | None = None):
+                  folded: tuple[torch.Tensor, int] | None = None, coded: CodedSlots | None = None):
     """Output and column sums (or maxima) of every row from the compiled kernel (``native.py``), which takes the dead
     slots as an additive bias and the observed rows as weights, and only when there are any; bfloat16 inputs as
     they are where the kernel multiplies them natively (``native.input_dtype``), float32 copies otherwise.
     ``folded`` (a folded layer's decode step, ``folded_single_query``): each slot's KV head (B, T) and the count of
-    KV heads, whose pairs all read the one row of keys and values (B, 1, T, d): expanded, a view with no copy."""
+    KV heads, whose pairs all read the one row of keys and values (B, 1, T, d): expanded, a view with no copy.
+    ``coded``: a quantized layer's oldest slots, which the kernel dequantizes as it reads them (``keys`` and
+    ``values`` then hold the slots after them)."""
     padded, partial = _irregular(slot_valid, observed, all_live)
     none = queries.new_empty(0)
     key_bias = torch.zeros(slot_valid.shape).masked_fill_(~slot_valid, float("-inf")) if padded else none
@@ -211,23 +223,26 @@ def _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, 
     queries, keys, values = (t.to(compute) if t.stride(-1) == 1 else t.to(compute).contiguous()
                              for t in (queries, keys, values))
     slot_head = none
+    kv_heads = keys.shape[1]
     if folded is not None:
         slot_head, kv_heads = folded[0].contiguous(), folded[1]
         keys, values = (t.expand(-1, kv_heads, -1, -1) for t in (keys, values))
     summed, output = kernel.fused_attention(
-        queries, keys, values, scaling, key_bias, row_weight, maximum, native.ROW_BLOCK, native.KEY_BLOCK, slot_head
+        queries, keys, values, scaling, key_bias, row_weight, maximum, native.ROW_BLOCK, native.KEY_BLOCK, slot_head,
+        [] if coded is None else coded.kernel_operands(kv_heads), 0 if coded is None else coded.count,
     )
     return summed, output.to(dtype)
 
 
 def folded_single_query(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_valid: torch.Tensor,
                         slot_head: torch.Tensor, kv_heads: int, scaling: float,
-                        observed: torch.Tensor | None,
-                        all_live: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                        observed: torch.Tensor | None, all_live: bool | None = None,
+                        coded: CodedSlots | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A decode step over a folded layer (``kvcompress/ragged.py``) on the compiled kernel (CPU) or the Triton
     kernel (accelerators, ``triton_attention.folded_decode``): the output (B, 1, H, d) and, with ``observed``
     (B, 1), the most attention the step's query heads give each slot (B, 1, T), else None; None where neither
-    serves (no compiler, no Triton). ``all_live``: every slot is known live (the checks are spared).
+    serves (no compiler, no Triton). ``all_live``: every slot is known live (the checks are spared). ``coded``: as
+    ``observed_attention`` takes it (the compiled kernel reads the codes).
 
     On the compiled kernel each (sequence, KV head) pair picks its own slots out of the row, copies them contiguous
     and multiplies only them (the Triton kernel skips the blocks without them): a per-head kernel's products, in one
@@ -239,12 +254,13 @@ def folded_single_query(queries: torch.Tensor, keys: torch.Tensor, values: torch
     kernel = native.kernel() if native.supports(queries, keys, values) else None
     if kernel is None:
         if triton_serves(queries, keys, values):
+            keys, values = (keys, values) if coded is None else coded.dense()
             return triton_attention.folded_decode(queries, keys, values, slot_valid, slot_head, kv_heads, scaling,
                                                   observed, all_live)
         return None
     rows = observed if observed is not None else torch.ones_like(slot_valid[:, :1])
     summed, output = _native_fused(kernel, queries, keys, values, slot_valid, rows, scaling, all_live, True,
-                                   folded=(slot_head, kv_heads))
+                                   folded=(slot_head, kv_heads), coded=coded)
     return output, None if observed is None else summed
 
 

@@ -25,6 +25,10 @@
 // share one row, keys and values come expanded to (B, H_kv, T, d) with a zero head stride, and the pair (b, kv)
 // sees only the slots whose head is kv: it copies them contiguous and multiplies only them (a folded decode step
 // costs what a per-head one does), and their scores go to one row per sequence, (B, 1, T). It may be empty.
+// coded (a quantized layer, kvcompress/quantization.py): the codes, scales and minimums of its keys, then of its
+// values, (B, H_kv, S, ...) with S >= coded_slots, each slot's row contiguous; the first coded_slots slots are
+// read from them, dequantized as they are read (a decode step's chunk, a key block), and the keys and values given
+// hold the slots after them: T counts both. No full-precision copy of the layer is made. It may be empty.
 // Returns the column sums (B, H_kv, T), summed over the query heads of each KV group, and the output
 // (B, L, H, dv), as transformers' attention functions lay it out. With `maximum`, the columns hold instead the
 // most weight any observed row of any query head of the group gives the slot (KVzip's reconstruction scores):
@@ -43,6 +47,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "quantized_slots.h"
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
@@ -182,6 +188,59 @@ void accumulate(float* acc, const float* x, float w, int64_t n, bool maximum) {
   }
 }
 
+// A run of columns (of a decode step's chunk, of a key block): `count` keys and values at `keys` / `values` (rows
+// `key_stride` / `value_stride` apart), the columns [first, first + count) of the chunk's or block's logits.
+template <typename T>
+struct Columns {
+  const T* keys;
+  int64_t key_stride;
+  const T* values;
+  int64_t value_stride;
+  int64_t first, count;
+};
+
+// The slots of a quantized layer that only codes hold (quantized_slots.h's grid), per (sequence, KV head).
+struct CodedRows {
+  const uint8_t* codes = nullptr;
+  const at::Half *scales = nullptr, *minimums = nullptr;  // one layout for both
+  int64_t bits = 0, groups = 0, cSB = 0, cSH = 0, cSN = 0, sSB = 0, sSH = 0, sSN = 0;
+
+  // slot n of (b, h), its `dim` channels into out
+  template <typename T>
+  void read(int64_t b, int64_t h, int64_t n, int64_t dim, T* out) const {
+    const int64_t scale_at = b * sSB + h * sSH + n * sSN;
+    const uint8_t* code = codes + b * cSB + h * cSH + n * cSN;
+    if constexpr (std::is_same_v<T, float>) {
+      dequantize_slot(code, scales + scale_at, minimums + scale_at, bits, dim, groups, out);
+    } else {
+      thread_local std::vector<float> row;
+      row.resize(dim);
+      dequantize_slot(code, scales + scale_at, minimums + scale_at, bits, dim, groups, row.data());
+      at::vec::convert(row.data(), out, dim);
+    }
+  }
+};
+
+CodedRows coded_rows(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& minimums,
+                     int64_t dim) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf &&
+                  minimums.scalar_type() == at::kHalf && codes.dim() == 4 && scales.dim() == 4,
+              "fused_attention: coded slots are uint8 codes, float16 scales and minimums, (B, H_kv, S, ...)");
+  TORCH_CHECK(codes.stride(-1) == 1 && scales.stride(-1) == 1 && scales.strides() == minimums.strides(),
+              "fused_attention: each coded slot's row contiguous, scales and minimums laid out alike");
+  CodedRows rows;
+  rows.codes = codes.data_ptr<uint8_t>();
+  rows.scales = scales.data_ptr<at::Half>();
+  rows.minimums = minimums.data_ptr<at::Half>();
+  rows.bits = codes.size(-1) * 8 / dim;
+  rows.groups = scales.size(-1);
+  TORCH_CHECK((rows.bits == 8 || rows.bits == 4) && codes.size(-1) * 8 == rows.bits * dim && dim % rows.groups == 0,
+              "fused_attention: coded slots of 8 or 4 bits per channel, whole groups");
+  rows.cSB = codes.stride(0), rows.cSH = codes.stride(1), rows.cSN = codes.stride(2);
+  rows.sSB = scales.stride(0), rows.sSH = scales.stride(1), rows.sSN = scales.stride(2);
+  return rows;
+}
+
 // Pointers, sizes and strides of the operands, after the checks both passes share.
 template <typename T>
 struct Operands {
@@ -191,12 +250,52 @@ struct Operands {
   int64_t batch, heads, length, head_dim, kv_heads, total, value_dim, groups;
   int64_t qSB, qSH, qSM, kSB, kSH, kSN, vSB, vSH, vSN;
   int64_t biasSB, biasSH;  // key_bias strides: (B, T) is one row for every KV head (biasSH 0), (B, H_kv, T) one each
+  int64_t coded = 0;       // the first slots, which only codes hold; k and v hold the slots after them
+  CodedRows key_codes, value_codes;
+
+  // slot n's key (value) row of pair (b, kv): where k (v) holds it, else dequantized into `scratch`
+  const T* key_row(int64_t b, int64_t kv, int64_t n, T* scratch) const {
+    if (n >= coded) return k + b * kSB + kv * kSH + (n - coded) * kSN;
+    key_codes.read(b, kv, n, head_dim, scratch);
+    return scratch;
+  }
+  const T* value_row(int64_t b, int64_t kv, int64_t n, T* scratch) const {
+    if (n >= coded) return v + b * vSB + kv * vSH + (n - coded) * vSN;
+    value_codes.read(b, kv, n, value_dim, scratch);
+    return scratch;
+  }
+
+  // slots [n0, n0 + n) of pair (b, kv) as at most two runs: the coded ones dequantized into `buffer`, the held
+  // ones where they lie; keys, values or both (the other's pointers null)
+  std::vector<Columns<T>> columns(int64_t b, int64_t kv, int64_t n0, int64_t n, std::vector<T>& buffer,
+                                  bool with_keys, bool with_values) const {
+    std::vector<Columns<T>> runs;
+    const int64_t decoded = std::clamp<int64_t>(coded - n0, 0, n);
+    if (decoded > 0) {
+      const int64_t key_width = with_keys ? head_dim : 0, value_width = with_values ? value_dim : 0;
+      buffer.resize(decoded * (key_width + value_width));
+      T* keys = buffer.data();
+      T* values = keys + decoded * key_width;
+      for (int64_t j = 0; j < decoded; ++j) {
+        if (with_keys) key_codes.read(b, kv, n0 + j, head_dim, keys + j * head_dim);
+        if (with_values) value_codes.read(b, kv, n0 + j, value_dim, values + j * value_dim);
+      }
+      runs.push_back({with_keys ? keys : nullptr, head_dim, with_values ? values : nullptr, value_dim, 0, decoded});
+    }
+    if (decoded < n) {
+      const int64_t first = n0 + decoded - coded;
+      runs.push_back({k + b * kSB + kv * kSH + first * kSN, kSN, v + b * vSB + kv * vSH + first * vSN, vSN, decoded,
+                      n - decoded});
+    }
+    return runs;
+  }
 };
 
 template <typename T>
 Operands<T> operands(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
                      const torch::Tensor& key_bias, const torch::Tensor& row_weight,
-                     const torch::Tensor& slot_head) {
+                     const torch::Tensor& slot_head, const std::vector<torch::Tensor>& coded,
+                     int64_t coded_slots) {
   TORCH_CHECK(queries.stride(-1) == 1 && keys.stride(-1) == 1 && values.stride(-1) == 1,
               "fused_attention: the last dimension must be contiguous");
   Operands<T> o;
@@ -211,7 +310,14 @@ Operands<T> operands(const torch::Tensor& queries, const torch::Tensor& keys, co
   o.weight = row_weight.numel() > 0 ? row_weight.data_ptr<float>() : nullptr;
   o.slot_head = slot_head.numel() > 0 ? slot_head.data_ptr<int64_t>() : nullptr;
   o.batch = queries.size(0), o.heads = queries.size(1), o.length = queries.size(2), o.head_dim = queries.size(3);
-  o.kv_heads = keys.size(1), o.total = keys.size(2), o.value_dim = values.size(3);
+  o.kv_heads = keys.size(1), o.coded = coded_slots, o.total = coded_slots + keys.size(2), o.value_dim = values.size(3);
+  TORCH_CHECK(coded_slots == 0 || coded.size() == 6, "fused_attention: coded slots need their six tensors");
+  if (coded_slots > 0) {
+    o.key_codes = coded_rows(coded[0], coded[1], coded[2], o.head_dim);
+    o.value_codes = coded_rows(coded[3], coded[4], coded[5], o.value_dim);
+    TORCH_CHECK(coded[0].size(2) >= coded_slots && coded[3].size(2) >= coded_slots,
+                "fused_attention: fewer coded slots stored than coded_slots");
+  }
   o.groups = o.heads / o.kv_heads;
   o.qSB = queries.stride(0), o.qSH = queries.stride(1), o.qSM = queries.stride(2);
   o.kSB = keys.stride(0), o.kSH = keys.stride(1), o.kSN = keys.stride(2);
@@ -240,16 +346,23 @@ struct DirectProducts {
   static constexpr int64_t granularity = 1;    // keys a product takes at a time
 
   // s (rows x cols, ld ld_s) = alpha * q (rows x d, ld qSM) . k[n0 : n0 + cols]ᵀ for sequence b, KV head kv
+  // (coded keys dequantized block by block into the thread's buffer)
   void logits(int64_t b, int64_t kv, const T* q, int64_t rows, int64_t n0, int64_t cols, float* s,
               int64_t ld_s) const {
-    gemm('T', 'N', cols, rows, o.head_dim, alpha, o.k + b * o.kSB + kv * o.kSH + n0 * o.kSN, o.kSN, q, o.qSM, 0.0f,
-         s, ld_s);
+    thread_local std::vector<T> buffer;
+    for (const auto& run : o.columns(b, kv, n0, cols, buffer, true, false)) {
+      gemm('T', 'N', run.count, rows, o.head_dim, alpha, run.keys, run.key_stride, q, o.qSM, 0.0f, s + run.first,
+           ld_s);
+    }
   }
   // out (rows x dv, ld ld_out) (+)= p (rows x cols, ld ld_p) . v[n0 : n0 + cols]
   void weighted_values(int64_t b, int64_t kv, const T* p, int64_t rows, int64_t n0, int64_t cols, int64_t ld_p,
                        float* out, int64_t ld_out, bool add) const {
-    gemm('N', 'N', o.value_dim, rows, cols, 1.0f, o.v + b * o.vSB + kv * o.vSH + n0 * o.vSN, o.vSN, p, ld_p,
-         add ? 1.0f : 0.0f, out, ld_out);
+    thread_local std::vector<T> buffer;
+    for (const auto& run : o.columns(b, kv, n0, cols, buffer, false, true)) {
+      gemm('N', 'N', o.value_dim, rows, run.count, 1.0f, run.values, run.value_stride, p + run.first, ld_p,
+           add || run.first > 0 ? 1.0f : 0.0f, out, ld_out);
+    }
   }
   void release() const {}
 };
@@ -286,21 +399,23 @@ struct PackedProducts {
         const int64_t b = task / o.kv_heads, kv = task % o.kv_heads;
         // kᵀ in VNNI, by key block: element (dimension c, key n) at (n / key_block) * d * key_block +
         // (c / 2) * 2 * key_block + 2 * (n % key_block) + c % 2: each key's pairs of dimensions, transposed
-        const BF16* k = o.k + b * o.kSB + kv * o.kSH;
+        // (a coded slot's row is dequantized into `scratch` first)
+        std::vector<BF16> scratch(std::max(o.head_dim, o.value_dim));
         BF16* kt = keys(b, kv);
         for (int64_t n = 0; n < o.total; ++n) {
+          const BF16* k = o.key_row(b, kv, n, scratch.data());
           for (int64_t c = 0; c < o.head_dim; c += 2) {
             BF16* pair = kt + (n / key_block) * o.head_dim * key_block + c * key_block + 2 * (n % key_block);
-            pair[0] = k[n * o.kSN + c];
-            pair[1] = k[n * o.kSN + c + 1];
+            pair[0] = k[c];
+            pair[1] = k[c + 1];
           }
         }
         // v in VNNI: element (key n, column c) at (n / 2) * 2 * dv + 2 * c + n % 2
-        const BF16* v = o.v + b * o.vSB + kv * o.vSH;
         BF16* vv = values(b, kv);
         for (int64_t n = 0; n < o.total; ++n) {
+          const BF16* v = o.value_row(b, kv, n, scratch.data());
           BF16* pairs = vv + (n / 2) * 2 * o.value_dim + n % 2;
-          for (int64_t c = 0; c < o.value_dim; ++c) pairs[2 * c] = v[n * o.vSN + c];
+          for (int64_t c = 0; c < o.value_dim; ++c) pairs[2 * c] = v[c];
         }
       }
     });
@@ -327,33 +442,25 @@ struct PackedProducts {
   void release() const { at::native::cpublas::brgemm_release(); }  // the thread's AMX tile configuration
 };
 
-// A run of a decode step's columns: `count` keys and values at `keys` / `values` (rows `key_stride` /
-// `value_stride` apart), the columns [first, first + count) of the chunk's logits.
-template <typename T>
-struct Columns {
-  const T* keys;
-  int64_t key_stride;
-  const T* values;
-  int64_t value_stride;
-  int64_t first, count;
-};
-
-// A folded pair's own slots of a chunk (`index`, m of them, relative to `chunk`) as runs of columns: a head's
-// slots lie mostly in one stretch (a fold leaves them head-major), multiplied where they lie; the slots between
-// such stretches (decoded tokens, one slot per head each) are copied into `gathered` and multiplied together.
-// Copying every slot cost as much again as the products: both read each key and value once from memory.
+// A folded pair's own slots of the chunk from slot n0 (`index`, m of them, relative to n0) as runs of columns: a
+// head's slots lie mostly in one stretch (a fold leaves them head-major), multiplied where they lie; the slots
+// between such stretches (decoded tokens, one slot per head each) and coded slots are copied (dequantized) into
+// `gathered` and multiplied together. Copying every slot cost as much again as the products: both read each key
+// and value once from memory.
 constexpr int64_t kDirectRun = 16;  // fewer consecutive slots are copied: one product for them all
 
 template <typename T>
-std::vector<Columns<T>> columns_of_own_slots(const Operands<T>& o, const Columns<T>& chunk, const int64_t* index,
-                                             int64_t m, std::vector<T>& gathered) {
-  std::vector<std::pair<int64_t, int64_t>> stretches;  // [first, end) columns of consecutive slots
+std::vector<Columns<T>> columns_of_own_slots(const Operands<T>& o, int64_t b, int64_t kv, int64_t n0,
+                                             const int64_t* index, int64_t m, std::vector<T>& gathered) {
+  auto held = [&](int64_t j) { return n0 + index[j] >= o.coded; };  // k and v hold column j's slot
+  auto direct = [&](int64_t first, int64_t end) { return end - first >= kDirectRun && held(first); };
+  std::vector<std::pair<int64_t, int64_t>> stretches;  // [first, end) columns of consecutive slots, coded or not
   int64_t copies = 0;
   for (int64_t j = 0; j < m;) {
     int64_t end = j + 1;
-    while (end < m && index[end] == index[end - 1] + 1) ++end;
+    while (end < m && index[end] == index[end - 1] + 1 && held(end) == held(j)) ++end;
     stretches.emplace_back(j, end);
-    copies += end - j < kDirectRun ? end - j : 0;
+    copies += direct(j, end) ? 0 : end - j;
     j = end;
   }
   gathered.resize(copies * (o.head_dim + o.value_dim));  // only what is copied: a fold's stretches are not
@@ -369,16 +476,21 @@ std::vector<Columns<T>> columns_of_own_slots(const Operands<T>& o, const Columns
     }
   };
   for (const auto& [first, end] : stretches) {
-    if (end - first >= kDirectRun) {
+    if (direct(first, end)) {
       flush(first);
-      runs.push_back({chunk.keys + index[first] * chunk.key_stride, chunk.key_stride,
-                      chunk.values + index[first] * chunk.value_stride, chunk.value_stride, first, end - first});
+      const int64_t slot = n0 + index[first];
+      runs.push_back({o.key_row(b, kv, slot, nullptr), o.kSN, o.value_row(b, kv, slot, nullptr), o.vSN, first,
+                      end - first});
       pending = end;
       continue;
     }
     for (int64_t j = first; j < end; ++j, ++copied) {
-      std::copy_n(chunk.keys + index[j] * chunk.key_stride, o.head_dim, gathered_keys + copied * o.head_dim);
-      std::copy_n(chunk.values + index[j] * chunk.value_stride, o.value_dim, gathered_values + copied * o.value_dim);
+      T* key = gathered_keys + copied * o.head_dim;
+      T* value = gathered_values + copied * o.value_dim;
+      const T* key_read = o.key_row(b, kv, n0 + index[j], key);
+      const T* value_read = o.value_row(b, kv, n0 + index[j], value);
+      if (key_read != key) std::copy_n(key_read, o.head_dim, key);
+      if (value_read != value) std::copy_n(value_read, o.value_dim, value);
     }
   }
   flush(m);
@@ -430,13 +542,14 @@ std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool 
                                                                   : nullptr;
     float* s = exps + pair * o.groups * o.total;
     T* rounded_pair = rounded.empty() ? nullptr : rounded.data() + pair * o.groups * o.total;
-    // the chunk's columns: its n slots as they lie, or a folded pair's m own slots (columns_of_own_slots)
-    std::vector<Columns<T>> columns{{o.k + b * o.kSB + kv * o.kSH + n0 * o.kSN, o.kSN,
-                                     o.v + b * o.vSB + kv * o.vSH + n0 * o.vSN, o.vSN, 0, n}};
-    int64_t m = n;
+    // the chunk's columns: its n slots (Operands::columns), or a folded pair's m own slots (columns_of_own_slots)
     std::vector<T> gathered;
+    std::vector<Columns<T>> columns;
+    int64_t m = n;
     std::vector<float> own_bias;
-    if (folded) {
+    if (!folded) {
+      columns = o.columns(b, kv, n0, n, gathered, true, true);
+    } else {
       int64_t* index = own.data() + pair * o.total + n0;
       const int64_t* head = o.slot_head + b * o.total + n0;
       m = 0;
@@ -444,7 +557,7 @@ std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool 
         if (head[j] == kv) index[m++] = j;
       }
       own_count[pair * chunks + c] = m;
-      columns = columns_of_own_slots(o, columns[0], index, m, gathered);
+      columns = columns_of_own_slots(o, b, kv, n0, index, m, gathered);
       if (bias != nullptr) {
         own_bias.resize(m);
         for (int64_t j = 0; j < m; ++j) own_bias[j] = bias[index[j]];
@@ -654,7 +767,8 @@ bool bfloat16_packed_products() { return at::native::cpublas::could_pack(at::kBF
 std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor keys, torch::Tensor values,
                                            double scale, torch::Tensor key_bias, torch::Tensor row_weight,
                                            bool maximum, int64_t row_block, int64_t key_block,
-                                           torch::Tensor slot_head) {
+                                           torch::Tensor slot_head, std::vector<torch::Tensor> coded,
+                                           int64_t coded_slots) {
   const float alpha = static_cast<float>(scale);
   const auto options = queries.options().dtype(at::kFloat);  // scores and output are float32 for every input
   const auto type = queries.scalar_type();
@@ -665,7 +779,7 @@ std::vector<torch::Tensor> fused_attention(torch::Tensor queries, torch::Tensor 
               "fused_attention: no bfloat16 GEMM in this build (pass float32 copies)");
   auto run = [&](auto element) {  // one decode step or a multi-query forward, for inputs of that element type
     using T = decltype(element);
-    const auto o = operands<T>(queries, keys, values, key_bias, row_weight, slot_head);
+    const auto o = operands<T>(queries, keys, values, key_bias, row_weight, slot_head, coded, coded_slots);
     TORCH_CHECK(o.slot_head == nullptr || (o.length == 1 && slot_head.is_contiguous()),
                 "fused_attention: slot_head (a folded layer) is for a decode step, contiguous");
     if (o.length == 1) return single_query(o, alpha, maximum, key_block, options);

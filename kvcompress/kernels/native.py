@@ -26,8 +26,9 @@ from kvcompress.models import cpu_has_native_bfloat16
 
 logger = logging.getLogger(__name__)
 
-# one module: the fused attention kernel, and quantized slots' codes
+# one module: the fused attention kernel, and quantized slots' codes; the header both include
 SOURCES = (Path(__file__).with_name("fused_attention.cpp"), Path(__file__).with_name("quantized_slots.cpp"))
+HEADERS = (Path(__file__).with_name("quantized_slots.h"),)
 # Query rows per block and keys per block: a block of logits (rows × keys floats) stays in the core's cache while
 # it is exponentiated and multiplied with the values (chosen on SmolLM2 shapes: benchmarks/attention_kernel.py).
 ROW_BLOCK = 64
@@ -107,7 +108,7 @@ def _build() -> ModuleType:
     flags = ["-O3", "-fopenmp"]
     if capability in _CAPABILITY_FLAGS:
         flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *_CAPABILITY_FLAGS[capability]]
-    name = build_name(SOURCES, capability, flags)
+    name = build_name(SOURCES + HEADERS, capability, flags)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
     )

@@ -21,8 +21,7 @@
 #include <type_traits>
 #include <vector>
 
-// x = minimum + code * scale rounded twice, as torch computes it (the tests compare both paths exactly)
-#pragma GCC optimize("fp-contract=off")
+#include "quantized_slots.h"
 
 namespace {
 
@@ -30,29 +29,13 @@ template <typename T>
 void dequantize_rows(const uint8_t* codes, const at::Half* scales, const at::Half* minimums, int64_t bits,
                      int64_t outer, int64_t slots, int64_t stored, int64_t dim, int64_t groups, T* out,
                      int64_t out_slots) {
-  const int64_t group = dim / groups, bytes = dim * bits / 8;
+  const int64_t bytes = dim * bits / 8;
   at::parallel_for(0, outer * slots, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> row(dim);  // a slot in float32, then narrowed in one vectorised pass
     for (int64_t index = begin; index < end; ++index) {
-      const int64_t o = index / slots, t = index % slots;
-      const uint8_t* code = codes + (o * stored + t) * bytes;
-      const at::Half* scale = scales + (o * stored + t) * groups;
-      const at::Half* minimum = minimums + (o * stored + t) * groups;
+      const int64_t o = index / slots, t = index % slots, slot = o * stored + t;
       float* y = std::is_same_v<T, float> ? reinterpret_cast<float*>(out + (o * out_slots + t) * dim) : row.data();
-      for (int64_t g = 0; g < groups; ++g) {
-        const float s = static_cast<float>(scale[g]), m = static_cast<float>(minimum[g]);
-        float* yg = y + g * group;
-        if (bits == 8) {
-          const uint8_t* cg = code + g * group;
-          for (int64_t c = 0; c < group; ++c) yg[c] = static_cast<float>(cg[c]) * s + m;
-        } else {
-          const uint8_t* cg = code + g * group / 2;
-          for (int64_t c = 0; c < group / 2; ++c) {
-            yg[2 * c] = static_cast<float>(cg[c] & 0x0F) * s + m;
-            yg[2 * c + 1] = static_cast<float>(cg[c] >> 4) * s + m;
-          }
-        }
-      }
+      dequantize_slot(codes + slot * bytes, scales + slot * groups, minimums + slot * groups, bits, dim, groups, y);
       if constexpr (!std::is_same_v<T, float>) at::vec::convert(row.data(), out + (o * out_slots + t) * dim, dim);
     }
   });

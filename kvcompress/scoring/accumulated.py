@@ -29,7 +29,7 @@ class AccumulatedAttention(Scorer):
         fuse = call.may_fuse and pool is None
         return observed_attention(
             call.queries, call.keys, call.slot_valid, call.observed, call.scaling, softcap=call.softcap,
-            pooling=pool, values=call.values if fuse else None, all_live=call.all_live,
+            pooling=pool, values=call.values if fuse else None, all_live=call.all_live, coded=call.coded,
             first_row=self.first_observed(call.length),
         )
 

@@ -39,6 +39,7 @@ from torch import nn
 if TYPE_CHECKING:
     from ..layer import CompressedLayer
     from ..parameters import KVCacheCompressionParameters
+    from ..quantization import CodedSlots
 
 
 @dataclasses.dataclass
@@ -47,8 +48,11 @@ class AttentionCall:
 
     module: nn.Module
     queries: torch.Tensor  # (B, H, q, d): the module's post-RoPE queries
-    keys: torch.Tensor  # (B, H_kv, T, d): the cache after this forward's update (its last q slots are new)
-    values: torch.Tensor  # (B, H_kv, T, d)
+    # (B, H_kv, T, d): the cache after this forward's update (its last q slots are new); of a quantized layer whose
+    # oldest slots only codes hold, the slots after them (``coded`` holds the first ones: pass it on to
+    # ``observed_attention``, or read ``dense_keys_values()``)
+    keys: torch.Tensor
+    values: torch.Tensor
     slot_valid: torch.Tensor  # (B, T) bool: live slots (padding and filler are dead)
     observed: torch.Tensor | None  # (B, q) bool: the queries the scorer observes this forward, or None
     scaling: float
@@ -58,6 +62,11 @@ class AttentionCall:
     positions: torch.Tensor  # (B, q) int64: the RoPE positions the queries were rotated to
     replay: bool = False  # a context-reconstruction pass (KVzip), not part of the sequence
     hidden_states: torch.Tensor | None = None  # (B, q, D): the attention module's input, for reads_hidden_states
+    coded: CodedSlots | None = None  # a quantized layer's oldest slots, which only codes hold
+
+    def dense_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's keys and values (B, H_kv, T, d) in full precision."""
+        return (self.keys, self.values) if self.coded is None else self.coded.dense()
 
     @property
     def length(self) -> int:

@@ -89,11 +89,11 @@ class KVzip(Scorer):
         if (call.length > 1 and call.all_live and call.may_fuse and not call.softcap and call.keys.device.type == "cpu"
                 and native.kernel() is None):
             # a reconstruction pass on CPU without the compiled kernel: torch's flash attention does the work
-            output, scores = prefix_max_attention(call.queries, call.keys, call.values, call.scaling)
+            output, scores = prefix_max_attention(call.queries, *call.dense_keys_values(), call.scaling)
             return scores, output
         return observed_attention(
             call.queries, call.keys, call.slot_valid, call.observed, call.scaling, softcap=call.softcap,
-            values=call.values if call.may_fuse else None, all_live=call.all_live, reduce="max",
+            values=call.values if call.may_fuse else None, all_live=call.all_live, reduce="max", coded=call.coded,
         )
 
     def replay_inputs(self, context: list[list[int]]) -> list[list[list[int]]]:

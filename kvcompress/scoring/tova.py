@@ -30,7 +30,7 @@ class TOVA(Scorer):
         summed, output = observed_attention(
             call.queries, call.keys, call.slot_valid, call.observed, call.scaling, softcap=call.softcap,
             values=call.values if call.may_fuse and call.length == 1 else None, all_live=call.all_live,
-            first_row=self.first_observed(call.length),
+            first_row=self.first_observed(call.length), coded=call.coded,
         )
         head_mean = summed.sum(1, keepdim=True) / call.queries.shape[1]
         return head_mean.expand_as(summed).contiguous(), output

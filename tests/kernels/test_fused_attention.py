@@ -126,7 +126,7 @@ def test_native_decode_step_split_over_the_slots_matches_plain_attention(threads
     key_bias = torch.zeros(slot_valid.shape).masked_fill_(~slot_valid, float("-inf"))
     with torch_threads(threads):
         scores, output = kernel.fused_attention(queries, keys, values, 0.3, key_bias, observed.float(),
-                                                reduce == "max", 3, 8, NONE)
+                                                reduce == "max", 3, 8, NONE, [], 0)
     expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.3, reduce=reduce)
     output_tolerance = 1e-6 if dtype == torch.float32 else 0.02
     torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
@@ -159,7 +159,7 @@ def test_native_kernel_on_bfloat16_inputs_scores_as_exactly_as_float32(monkeypat
     key_bias = torch.zeros(slot_valid.shape).masked_fill_(~slot_valid, float("-inf"))
     with torch_threads(threads):
         scores, output = kernel.fused_attention(queries, keys, values, 0.25, key_bias, observed.float(),
-                                                reduce == "max", 3, 8, NONE)
+                                                reduce == "max", 3, 8, NONE, [], 0)
     expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.25, reduce=reduce)
     real = observed[:, :, None, None].expand_as(output)
     assert scores.dtype == output.dtype == torch.float32
@@ -184,7 +184,7 @@ def test_native_kernel_on_packed_bfloat16_products_matches_float64(threads, redu
     key_bias = torch.zeros(slot_valid.shape).masked_fill_(~slot_valid, float("-inf"))
     with torch_threads(threads):
         scores, output = kernel.fused_attention(queries, keys, values, 0.25, key_bias, observed.float(),
-                                                reduce == "max", row_block, 64, NONE)
+                                                reduce == "max", row_block, 64, NONE, [], 0)
     expected_scores, expected_output = _reference(queries, keys, values, slot_valid, observed, 0.25, reduce=reduce)
     real = observed[:, :, None, None].expand_as(output)
     torch.testing.assert_close(scores.double(), expected_scores, rtol=1e-5, atol=1e-6)
