@@ -35,6 +35,11 @@ class PackedSlots:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + self.minimums.nbytes
 
+    @property
+    def group_size(self) -> int:
+        """Channels per group."""
+        return self.codes.shape[-1] * 8 // self.bits // self.scales.shape[-1]
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"codes": self.codes, "scales": self.scales, "minimums": self.minimums}
 

@@ -95,7 +95,8 @@ def observed_attention(
     hence every token real), when the caller knows it, spares the per-layer checks. ``first_row``: no query
     before it is observed (a bound the caller knows, such as SnapKV's window), so that a pass without output
     starts there. ``coded``: a quantized layer's oldest slots, which only codes hold (``keys`` and ``values`` then
-    hold the slots after them): the compiled kernel reads the codes, every other path their full-precision copy.
+    hold the slots after them): the compiled kernel and the Triton kernels read the codes, the torch path their
+    full-precision copy.
     """
     batch, heads, length, head_dim = queries.shape
     kv_heads = keys.shape[1]
@@ -109,12 +110,12 @@ def observed_attention(
     if kernel is not None:
         return _native_fused(kernel, queries, keys, values, slot_valid, observed, scaling, all_live, maximum,
                              coded=coded)
+    if fused and length > 1 and triton_serves(queries, keys, values):
+        return _triton_fused(queries, keys, values, slot_valid, observed, scaling, all_live, maximum, coded)
     if coded is not None:
         keys, dense_values = coded.dense()
         values = None if values is None else dense_values
     total = keys.shape[-2]
-    if fused and length > 1 and triton_serves(queries, keys, values):
-        return _triton_fused(queries, keys, values, slot_valid, observed, scaling, all_live, maximum)
     if length == 1 and not per_head:
         return _single_query(queries, keys, values, slot_valid, observed, scaling, softcap, all_live, maximum)
 
@@ -254,9 +255,8 @@ def folded_single_query(queries: torch.Tensor, keys: torch.Tensor, values: torch
     kernel = native.kernel() if native.supports(queries, keys, values) else None
     if kernel is None:
         if triton_serves(queries, keys, values):
-            keys, values = (keys, values) if coded is None else coded.dense()
             return triton_attention.folded_decode(queries, keys, values, slot_valid, slot_head, kv_heads, scaling,
-                                                  observed, all_live)
+                                                  observed, all_live, coded)
         return None
     rows = observed if observed is not None else torch.ones_like(slot_valid[:, :1])
     summed, output = _native_fused(kernel, queries, keys, values, slot_valid, rows, scaling, all_live, True,
@@ -296,11 +296,11 @@ def triton_serves(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return triton_attention.supports(queries, keys, values)
 
 
-def _triton_fused(queries, keys, values, slot_valid, observed, scaling, all_live, maximum):
+def _triton_fused(queries, keys, values, slot_valid, observed, scaling, all_live, maximum, coded=None):
     """Output and column sums (or maxima) from the Triton kernels; the masks are handed over unless every slot
     is known live (asking the device whether they are would synchronise)."""
     masks = (None, None) if all_live else (slot_valid, observed)
-    return triton_attention.fused_attention(queries, keys, values, scaling, *masks, maximum=maximum)
+    return triton_attention.fused_attention(queries, keys, values, scaling, *masks, maximum=maximum, coded=coded)
 
 
 def _chunk_rows(budget_per_head: int, preceding: int) -> int:

@@ -205,18 +205,18 @@ struct CodedRows {
   const at::Half *scales = nullptr, *minimums = nullptr;  // one layout for both
   int64_t bits = 0, groups = 0, cSB = 0, cSH = 0, cSN = 0, sSB = 0, sSH = 0, sSN = 0;
 
-  // slot n of (b, h), its `dim` channels into out
+  // slots [n0, n0 + count) of (b, h), `dim` channels each, into out (count x dim)
   template <typename T>
-  void read(int64_t b, int64_t h, int64_t n, int64_t dim, T* out) const {
-    const int64_t scale_at = b * sSB + h * sSH + n * sSN;
-    const uint8_t* code = codes + b * cSB + h * cSH + n * cSN;
+  void read(int64_t b, int64_t h, int64_t n0, int64_t count, int64_t dim, T* out) const {
+    const int64_t scale_at = b * sSB + h * sSH + n0 * sSN;
+    const uint8_t* code = codes + b * cSB + h * cSH + n0 * cSN;
     if constexpr (std::is_same_v<T, float>) {
-      dequantize_slot(code, scales + scale_at, minimums + scale_at, bits, dim, groups, out);
-    } else {
-      thread_local std::vector<float> row;
-      row.resize(dim);
-      dequantize_slot(code, scales + scale_at, minimums + scale_at, bits, dim, groups, row.data());
-      at::vec::convert(row.data(), out, dim);
+      dequantize_run(code, scales + scale_at, minimums + scale_at, bits, dim, groups, count, cSN, sSN, out);
+    } else {  // float32 first, then narrowed in one vectorised pass
+      thread_local std::vector<float> rows;
+      if (rows.size() < static_cast<size_t>(count * dim)) rows.resize(count * dim);
+      dequantize_run(code, scales + scale_at, minimums + scale_at, bits, dim, groups, count, cSN, sSN, rows.data());
+      at::vec::convert(rows.data(), out, count * dim);
     }
   }
 };
@@ -256,12 +256,12 @@ struct Operands {
   // slot n's key (value) row of pair (b, kv): where k (v) holds it, else dequantized into `scratch`
   const T* key_row(int64_t b, int64_t kv, int64_t n, T* scratch) const {
     if (n >= coded) return k + b * kSB + kv * kSH + (n - coded) * kSN;
-    key_codes.read(b, kv, n, head_dim, scratch);
+    key_codes.read(b, kv, n, 1, head_dim, scratch);
     return scratch;
   }
   const T* value_row(int64_t b, int64_t kv, int64_t n, T* scratch) const {
     if (n >= coded) return v + b * vSB + kv * vSH + (n - coded) * vSN;
-    value_codes.read(b, kv, n, value_dim, scratch);
+    value_codes.read(b, kv, n, 1, value_dim, scratch);
     return scratch;
   }
 
@@ -273,13 +273,13 @@ struct Operands {
     const int64_t decoded = std::clamp<int64_t>(coded - n0, 0, n);
     if (decoded > 0) {
       const int64_t key_width = with_keys ? head_dim : 0, value_width = with_values ? value_dim : 0;
-      buffer.resize(decoded * (key_width + value_width));
+      if (buffer.size() < static_cast<size_t>(decoded * (key_width + value_width))) {
+        buffer.resize(decoded * (key_width + value_width));  // grows only: a thread's buffer is reused
+      }
       T* keys = buffer.data();
       T* values = keys + decoded * key_width;
-      for (int64_t j = 0; j < decoded; ++j) {
-        if (with_keys) key_codes.read(b, kv, n0 + j, head_dim, keys + j * head_dim);
-        if (with_values) value_codes.read(b, kv, n0 + j, value_dim, values + j * value_dim);
-      }
+      if (with_keys) key_codes.read(b, kv, n0, decoded, head_dim, keys);
+      if (with_values) value_codes.read(b, kv, n0, decoded, value_dim, values);
       runs.push_back({with_keys ? keys : nullptr, head_dim, with_values ? values : nullptr, value_dim, 0, decoded});
     }
     if (decoded < n) {
@@ -463,7 +463,9 @@ std::vector<Columns<T>> columns_of_own_slots(const Operands<T>& o, int64_t b, in
     copies += direct(j, end) ? 0 : end - j;
     j = end;
   }
-  gathered.resize(copies * (o.head_dim + o.value_dim));  // only what is copied: a fold's stretches are not
+  if (gathered.size() < static_cast<size_t>(copies * (o.head_dim + o.value_dim))) {  // grows only (reused)
+    gathered.resize(copies * (o.head_dim + o.value_dim));  // only what is copied: a fold's stretches are not
+  }
   T* gathered_keys = gathered.data();
   T* gathered_values = gathered_keys + copies * o.head_dim;
   std::vector<Columns<T>> runs;
@@ -543,7 +545,7 @@ std::vector<torch::Tensor> single_query(const Operands<T>& o, float alpha, bool 
     float* s = exps + pair * o.groups * o.total;
     T* rounded_pair = rounded.empty() ? nullptr : rounded.data() + pair * o.groups * o.total;
     // the chunk's columns: its n slots (Operands::columns), or a folded pair's m own slots (columns_of_own_slots)
-    std::vector<T> gathered;
+    thread_local std::vector<T> gathered;  // the chunk's copied or dequantized slots, reused by the thread
     std::vector<Columns<T>> columns;
     int64_t m = n;
     std::vector<float> own_bias;

@@ -10,12 +10,16 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import triton_blocks, triton_kernels
 from .flash import flash_attention
 from .triton_kernels import triton
+
+if TYPE_CHECKING:
+    from ..quantization import CodedSlots
 
 LOG2_E = 1.4426950408889634
 # The output and log-sum-exp pass: "auto" (torch's flash attention for unmasked half-precision passes on CUDA, the
@@ -68,6 +72,7 @@ def fused_attention(
     slot_valid: torch.Tensor | None = None,
     observed: torch.Tensor | None = None,
     maximum: bool = False,
+    coded: CodedSlots | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scores (B, H_kv, T) float32 and, given ``values``, the attention output (B, q, H, d) in the queries' dtype.
 
@@ -75,17 +80,22 @@ def fused_attention(
     update; ``slot_valid`` (B, T) bool marks live slots (or (B, H_kv, T), each KV head's own: a folded layer's
     heads laid out as rows, ``ragged.folded_attention``) and ``observed`` (B, q) bool the rows whose weights count
     (None: all). A score is the sum over the observed rows and the query heads of the slot's KV group of the
-    softmax weights (``maximum``: their largest).
+    softmax weights (``maximum``: their largest). ``coded``: a quantized layer's oldest slots, which the kernels
+    dequantize as they read them (``keys`` and ``values`` then hold the slots after them).
     """
     batch, heads, length, head_dim = queries.shape
-    kv_heads, total = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
+    total = keys.shape[2] if coded is None else coded.slots
     groups = heads // kv_heads
     device = queries.device
     queries, keys = _unit_stride(queries), _unit_stride(keys)
     need_output = values is not None
     values = _unit_stride(values) if need_output else keys
+    packed, code_settings = _code_operands(coded, kv_heads, device)
     forward, columns = triton_blocks.scoring_launches(head_dim, queries.dtype, slot_valid is not None,
-                                                      observed is not None, need_output, maximum, interpreted())
+                                                      observed is not None, need_output, maximum, interpreted(),
+                                                      **code_settings)
+    code_strides = [*packed[0].stride()[:3], *packed[1].stride()[:3]]  # codes, key scales: (B, H_kv, S)
     lse = torch.empty(batch, heads, length, device=device, dtype=torch.float32)
     scores = torch.empty(batch, kv_heads, total, device=device, dtype=torch.float32)
     valid = (slot_valid.to(device=device, dtype=torch.int8).contiguous() if slot_valid is not None
@@ -95,30 +105,34 @@ def fused_attention(
     # where a sequence's, and a KV head's, validity starts: one row for every head, or one each
     valid_strides = (valid.stride(0), valid.stride(1) if valid.dim() == 3 else 0) if slot_valid is not None else (0, 0)
     flashed = None
-    if need_output and slot_valid is None and observed is None and _flash_serves(queries):
+    if need_output and slot_valid is None and observed is None and coded is None and _flash_serves(queries):
         flashed = _flash_forward(queries, keys, values, scaling)
     if flashed is not None:
         output, lse = flashed
     else:
         output = queries.new_empty(batch, length, heads, head_dim) if need_output else queries.new_empty(0)
         launch(forward, (triton.cdiv(groups * length, forward.constexprs["BLOCK_M"]), batch * kv_heads),
-               queries, keys, values, output, lse, valid, rows_seen,
-               *queries.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
-               *(output.stride()[:3] if need_output else (0, 0, 0)), *valid_strides,
-               kv_heads, groups, length, total, head_dim, scaling * LOG2_E)
+               queries, keys, values, *packed, output, lse, valid, rows_seen,
+               *queries.stride()[:3], *keys.stride()[:3], *values.stride()[:3], *code_strides,
+               *packed[4].stride()[:3], *(output.stride()[:3] if need_output else (0, 0, 0)), *valid_strides,
+               kv_heads, groups, length, total, _coded_count(coded), head_dim, scaling * LOG2_E)
     launch(columns, (triton.cdiv(total, columns.constexprs["BLOCK_N"]), batch * kv_heads),
-           queries, keys, lse, scores, valid, rows_seen, *queries.stride()[:3], *keys.stride()[:3], *valid_strides,
-           kv_heads, groups, length, total, head_dim, scaling * LOG2_E)
+           queries, keys, *packed[:3], lse, scores, valid, rows_seen, *queries.stride()[:3], *keys.stride()[:3],
+           *code_strides, *valid_strides, kv_heads, groups, length, total, _coded_count(coded), head_dim,
+           scaling * LOG2_E)
     return scores, (output if need_output else None)
 
 
 def folded_decode(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_valid: torch.Tensor,
                   slot_head: torch.Tensor, kv_heads: int, scaling: float, observed: torch.Tensor | None = None,
-                  all_live: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  all_live: bool | None = None,
+                  coded: CodedSlots | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode step over a folded layer (``kvcompress/ragged.py``): the output (B, 1, H, d) in the queries' dtype
     and, with ``observed`` (B, 1), the most attention the step's query heads give each slot (B, 1, M) float32, else
     None. ``queries`` (B, H, 1, d); ``keys`` / ``values`` (B, 1, M, d), the heads' slots in one row; ``slot_valid``
     and ``slot_head`` (B, M) say which slots are live and whose they are; ``all_live`` spares the validity loads.
+    ``coded``: a quantized layer's oldest slots, which the kernel dequantizes as it reads them (``keys`` and
+    ``values`` then hold the slots after them).
 
     Split-key (flash-decoding): a program takes one (sequence, KV head) pair, a block of its group's query heads
     and a chunk of slots (sized so that the device's processors all have work), multiplies the query heads by the
@@ -129,12 +143,13 @@ def folded_decode(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     float32 logit for every query head and slot of every head, and built a mask, in every layer of every step. The
     scores use the logits the kernel stores for its own slots and each row's final log-sum-exp."""
     batch, heads, _, head_dim = queries.shape
-    total = keys.shape[-2]
+    total = keys.shape[-2] if coded is None else coded.slots
     groups = heads // kv_heads
     device = queries.device
     queries, keys, values = (_unit_stride(t) for t in (queries, keys, values))
+    packed, code_settings = _code_operands(coded, 1, device)  # the folded layer's one row
     decode, merge = triton_blocks.decode_launches(head_dim, queries.dtype, not all_live, observed is not None,
-                                                  interpreted())
+                                                  interpreted(), **code_settings)
     chunk = _decode_chunk(total, batch, device, decode.constexprs["BLOCK_N"])
     splits, row_blocks = triton.cdiv(total, chunk), triton.cdiv(groups, decode.constexprs["BLOCK_M"])
     part_max = torch.empty(batch * kv_heads, splits, groups, device=device, dtype=torch.float32)
@@ -145,9 +160,10 @@ def folded_decode(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     valid = (slot_valid.to(torch.int8).contiguous() if not all_live
              else torch.empty(0, device=device, dtype=torch.int8))
     launch(decode, (splits, batch * kv_heads, row_blocks),
-           queries, keys, values, slot_head.contiguous(), valid, part_max, part_sum, part_output, logits,
+           queries, keys, values, *packed, slot_head.contiguous(), valid, part_max, part_sum, part_output, logits,
            queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(2), values.stride(0), values.stride(2),
-           kv_heads, groups, total, head_dim, chunk, splits, scaling * LOG2_E)
+           packed[0].stride(0), packed[0].stride(2), packed[1].stride(0), packed[1].stride(2), packed[4].stride(0),
+           packed[4].stride(2), kv_heads, groups, total, _coded_count(coded), head_dim, chunk, splits, scaling * LOG2_E)
     output = queries.new_empty(batch, 1, heads, head_dim)
     lse = torch.empty(batch, heads, device=device, dtype=torch.float32)
     launch(merge, (batch * kv_heads, row_blocks), part_max, part_sum, part_output, output, lse, groups, head_dim,
@@ -159,6 +175,22 @@ def folded_decode(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     scores = torch.exp2(logits.transpose(1, 2) - own_lse).amax(-1)
     scores = torch.where(slot_valid & observed, scores, 0.0)
     return output, scores.unsqueeze(1)
+
+
+def _code_operands(coded: CodedSlots | None, heads: int,
+                   device: torch.device) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """A quantized layer's codes, scales and minimums, its keys' then its values', (B, ``heads``, S, ...) as the
+    kernels read them, and the launches' settings for them; for a layer without codes, placeholders the kernels
+    never read."""
+    if coded is None:
+        return ([torch.empty(0, 1, 1, 1, device=device, dtype=dtype)
+                 for dtype in (torch.uint8, torch.float16, torch.float16) * 2], dict(bits=16))
+    return ([_unit_stride(tensor) for tensor in coded.kernel_operands(heads)],
+            dict(bits=coded.keys.bits, key_group=coded.keys.group_size, value_group=coded.values.group_size))
+
+
+def _coded_count(coded: CodedSlots | None) -> int:
+    return 0 if coded is None else coded.count
 
 
 @functools.lru_cache(maxsize=8)

@@ -86,24 +86,40 @@ def _upcast(dtype: torch.dtype, interpreted: bool) -> bool:
     return interpreted or dtype == torch.float32
 
 
+def _codes(head_dim: int, bits: int, key_group: int, value_group: int) -> dict[str, int]:
+    """A quantized layer's codes as the kernels read them: ``bits`` 8 or 4 in groups of ``key_group`` and
+    ``value_group`` channels (at most the head's); 16, none."""
+    if bits == 16:
+        return dict(BITS=16, KEY_GROUP=1, VALUE_GROUP=1)
+    return dict(BITS=bits, KEY_GROUP=min(key_group, head_dim), VALUE_GROUP=min(value_group, head_dim))
+
+
 def scoring_launches(head_dim: int, dtype: torch.dtype, has_valid: bool, has_observed: bool, need_output: bool,
-                     maximum: bool, interpreted: bool = False) -> tuple[Launch, Launch]:
-    """The scoring pass's two launches, ``_forward`` then ``_column_statistics``, for these inputs."""
+                     maximum: bool, interpreted: bool = False, bits: int = 16, key_group: int = 0,
+                     value_group: int = 0) -> tuple[Launch, Launch]:
+    """The scoring pass's two launches, ``_forward`` then ``_column_statistics``, for these inputs (``bits`` 8 or
+    4: a quantized layer's codes, ``_codes``)."""
     sizes = block_sizes(head_dim, dtype, interpreted)
+    codes = _codes(head_dim, bits, key_group, value_group)
     common = dict(HAS_VALID=has_valid, HAS_OBSERVED=has_observed, UPCAST=_upcast(dtype, interpreted),
-                  BLOCK_D=dim_block(head_dim))
-    forward = common | dict(NEED_OUTPUT=need_output, BLOCK_M=sizes["forward_rows"], BLOCK_N=sizes["forward_keys"])
+                  BITS=codes["BITS"], KEY_GROUP=codes["KEY_GROUP"], BLOCK_D=dim_block(head_dim))
+    forward = common | dict(NEED_OUTPUT=need_output, VALUE_GROUP=codes["VALUE_GROUP"], BLOCK_M=sizes["forward_rows"],
+                            BLOCK_N=sizes["forward_keys"])
     columns = common | dict(MAXIMUM=maximum, BLOCK_M=sizes["column_rows"], BLOCK_N=sizes["column_keys"])
-    return (Launch("_forward", forward, sizes["warps"], sizes["stages"]),
+    # codes and their scales add tiles to each of the forward's pipelined stages: one stage fewer keeps it within
+    # the 99 KB parts (head dim 128, half precision: 147,456 B at three stages, 98,304 at two)
+    forward_stages = sizes["stages"] if bits == 16 else max(1, sizes["stages"] - 1)
+    return (Launch("_forward", forward, sizes["warps"], forward_stages),
             Launch("_column_statistics", columns, sizes["warps"], sizes["stages"]))
 
 
-def decode_launches(head_dim: int, dtype: torch.dtype, has_valid: bool, scores: bool,
-                    interpreted: bool = False) -> tuple[Launch, Launch]:
-    """A folded decode step's two launches, ``_folded_decode`` then ``_merge_splits``."""
+def decode_launches(head_dim: int, dtype: torch.dtype, has_valid: bool, scores: bool, interpreted: bool = False,
+                    bits: int = 16, key_group: int = 0, value_group: int = 0) -> tuple[Launch, Launch]:
+    """A folded decode step's two launches, ``_folded_decode`` then ``_merge_splits`` (``bits`` 8 or 4: a quantized
+    layer's codes, ``_codes``)."""
     sizes = block_sizes(head_dim, dtype, interpreted)
     blocks = dict(BLOCK_M=DECODE_ROWS, BLOCK_D=dim_block(head_dim))
     decode = blocks | dict(HAS_VALID=has_valid, SCORES=scores, UPCAST=_upcast(dtype, interpreted),
-                           BLOCK_N=sizes["decode_keys"])
+                           **_codes(head_dim, bits, key_group, value_group), BLOCK_N=sizes["decode_keys"])
     return (Launch("_folded_decode", decode, DECODE_WARPS, DECODE_STAGES),
             Launch("_merge_splits", blocks, MERGE_WARPS, MERGE_STAGES))

@@ -19,7 +19,8 @@ import sys
 
 # pointers that are not the inputs' dtype
 POINTER_TYPES = {"VALID": "*i8", "OBSERVED": "*i8", "SLOT_HEAD": "*i64", "LSE": "*fp32", "SCORES": "*fp32",
-                 "PART_MAX": "*fp32", "PART_SUM": "*fp32", "PART_OUTPUT": "*fp32", "LOGITS": "*fp32"}
+                 "PART_MAX": "*fp32", "PART_SUM": "*fp32", "PART_OUTPUT": "*fp32", "LOGITS": "*fp32",
+                 "KC": "*u8", "VC": "*u8", "KS": "*fp16", "KM": "*fp16", "VS": "*fp16", "VM": "*fp16"}
 
 
 def compile_case(kernels, case: dict) -> dict:

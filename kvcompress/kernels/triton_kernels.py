@@ -1,6 +1,6 @@
 """The Triton kernels: the scoring pass (attention output and a per-key statistic, two kernels per layer) and the
-decode step of a folded layer (split-key, then a merge). ``triton_attention.py`` launches them with the launches
-of ``triton_blocks.py``.
+decode step of a folded layer (split-key, then a merge); each dequantizes a quantized layer's coded slots as it
+reads them. ``triton_attention.py`` launches them with the launches of ``triton_blocks.py``.
 
 A scorer that observes attention (H2O's column sums, KVzip's column maxima) needs every query's softmax weight of
 every key, which flash-style kernels never hold: a weight is only final once its row's normaliser is. So the pass
@@ -51,16 +51,41 @@ if triton is not None:
         pointers = Q + q_batch + head[:, None] * stride_qh + token[:, None] * stride_qm + dims[None, :]
         return tl.load(pointers, mask=(token < length)[:, None] & (dims < head_dim)[None, :], other=0.0)
 
-    # lengths, and the strides that follow them, change from call to call: compiled once, not per value
-    _VARYING = ["stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_validb", "stride_validh", "length", "total"]
+    @triton.jit
+    def _load_slots(X, CODES, SCALES, MINIMUMS, slot, dims, mask, stride_xn, stride_cn, stride_sn, coded,
+                    BITS: tl.constexpr, GROUP: tl.constexpr):
+        """Channels ``dims`` of slots ``slot`` (broadcast to one tile, either orientation) in X's dtype. With
+        ``BITS`` 8 or 4 the first ``coded`` slots are only codes (``kvcompress/quantization.py``'s grid:
+        minimum + code · scale per ``GROUP`` channels, two 4-bit codes a byte, low nibble first), dequantized as
+        they are read, and X holds the slots after them; with 16, X holds every slot."""
+        if BITS == 16:
+            return tl.load(X + slot * stride_xn + dims, mask=mask, other=0.0)
+        held = tl.load(X + (slot - coded) * stride_xn + dims, mask=mask & (slot >= coded), other=0.0)
+        in_codes = mask & (slot < coded)
+        if BITS == 8:
+            code = tl.load(CODES + slot * stride_cn + dims, mask=in_codes, other=0).to(tl.float32)
+        else:
+            pair = tl.load(CODES + slot * stride_cn + dims // 2, mask=in_codes, other=0).to(tl.int32)
+            code = ((pair >> ((dims % 2) * 4)) & 15).to(tl.float32)
+        scale = tl.load(SCALES + slot * stride_sn + dims // GROUP, mask=in_codes, other=0.0).to(tl.float32)
+        minimum = tl.load(MINIMUMS + slot * stride_sn + dims // GROUP, mask=in_codes, other=0.0).to(tl.float32)
+        return tl.where(in_codes, (code * scale + minimum).to(held.dtype), held)
 
-    @triton.jit(do_not_specialize=[*_VARYING, "stride_vb", "stride_vh", "stride_ob", "stride_om"])
+    # lengths, and the strides that follow them, change from call to call: compiled once, not per value
+    # (a quantized layer's codes: their strides, and the slots only codes hold, change likewise)
+    _VARYING = ["stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_validb", "stride_validh", "length", "total",
+                "stride_cb", "stride_ch", "stride_ksb", "stride_ksh", "stride_ksn", "coded"]
+
+    @triton.jit(do_not_specialize=[*_VARYING, "stride_vb", "stride_vh", "stride_ob", "stride_om", "stride_vsb",
+                                   "stride_vsh", "stride_vsn"])
     def _forward(
-        Q, K, V, OUT, LSE, VALID, OBSERVED,
+        Q, K, V, KC, KS, KM, VC, VS, VM, OUT, LSE, VALID, OBSERVED,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        stride_cb, stride_ch, stride_cn, stride_ksb, stride_ksh, stride_ksn, stride_vsb, stride_vsh, stride_vsn,
         stride_ob, stride_om, stride_oh, stride_validb, stride_validh,
-        kv_heads, groups, length, total, head_dim, scale,
+        kv_heads, groups, length, total, coded, head_dim, scale,
         HAS_VALID: tl.constexpr, HAS_OBSERVED: tl.constexpr, NEED_OUTPUT: tl.constexpr, UPCAST: tl.constexpr,
+        BITS: tl.constexpr, KEY_GROUP: tl.constexpr, VALUE_GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         block, pair = tl.program_id(0), tl.program_id(1)
@@ -78,6 +103,9 @@ if triton is not None:
             observed = real
         k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
         v_base = V + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
+        codes_at = batch.to(tl.int64) * stride_cb + kv_head * stride_ch  # a quantized layer's (BITS 8 or 4)
+        key_scales_at = batch.to(tl.int64) * stride_ksb + kv_head * stride_ksh
+        value_scales_at = batch.to(tl.int64) * stride_vsb + kv_head * stride_vsh
         valid_base = VALID + batch.to(tl.int64) * stride_validb + kv_head * stride_validh
         tokens_seen = (block * BLOCK_M + BLOCK_M - 1) // groups + 1
         if tokens_seen > length:
@@ -89,8 +117,9 @@ if triton is not None:
         for start in range(0, end, BLOCK_N):
             slot = start + tl.arange(0, BLOCK_N)
             inside = slot < total
-            k = tl.load(k_base + slot[None, :] * stride_kn + dims[:, None],
-                        mask=inside[None, :] & (dims < head_dim)[:, None], other=0.0)
+            k = _load_slots(k_base, KC + codes_at, KS + key_scales_at, KM + key_scales_at, slot[None, :],
+                            dims[:, None], inside[None, :] & (dims < head_dim)[:, None], stride_kn, stride_cn,
+                            stride_ksn, coded, BITS, KEY_GROUP)
             logits = _dot(q, k, UPCAST) * scale
             allowed = inside[None, :] & (slot[None, :] <= base + token[:, None])
             if HAS_VALID:
@@ -103,8 +132,9 @@ if triton is not None:
             alpha = tl.exp2(m_i - shift)
             l_i = l_i * alpha + tl.sum(p, 1)
             if NEED_OUTPUT:
-                v = tl.load(v_base + slot[:, None] * stride_vn + dims[None, :],
-                            mask=inside[:, None] & (dims < head_dim)[None, :], other=0.0)
+                v = _load_slots(v_base, VC + codes_at, VS + value_scales_at, VM + value_scales_at, slot[:, None],
+                                dims[None, :], inside[:, None] & (dims < head_dim)[None, :], stride_vn, stride_cn,
+                                stride_vsn, coded, BITS, VALUE_GROUP)
                 acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
             m_i = m_new
         head = kv_head * groups + row % groups
@@ -117,10 +147,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=_VARYING)
     def _column_statistics(
-        Q, K, LSE, SCORES, VALID, OBSERVED,
-        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_validb, stride_validh,
-        kv_heads, groups, length, total, head_dim, scale,
+        Q, K, KC, KS, KM, LSE, SCORES, VALID, OBSERVED,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_cb, stride_ch, stride_cn,
+        stride_ksb, stride_ksh, stride_ksn, stride_validb, stride_validh,
+        kv_heads, groups, length, total, coded, head_dim, scale,
         HAS_VALID: tl.constexpr, HAS_OBSERVED: tl.constexpr, MAXIMUM: tl.constexpr, UPCAST: tl.constexpr,
+        BITS: tl.constexpr, KEY_GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         block, pair = tl.program_id(0), tl.program_id(1)
@@ -130,8 +162,10 @@ if triton is not None:
         inside = slot < total
         dims = tl.arange(0, BLOCK_D)
         k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
-        k = tl.load(k_base + slot[None, :] * stride_kn + dims[:, None],
-                    mask=inside[None, :] & (dims < head_dim)[:, None], other=0.0)
+        key_scales_at = batch.to(tl.int64) * stride_ksb + kv_head * stride_ksh
+        k = _load_slots(k_base, KC + batch.to(tl.int64) * stride_cb + kv_head * stride_ch, KS + key_scales_at,
+                        KM + key_scales_at, slot[None, :], dims[:, None], inside[None, :] & (dims < head_dim)[:, None],
+                        stride_kn, stride_cn, stride_ksn, coded, BITS, KEY_GROUP)
         counted = inside
         if HAS_VALID:
             valid_base = VALID + batch.to(tl.int64) * stride_validb + kv_head * stride_validh
@@ -194,12 +228,15 @@ if triton is not None:
         tl.store(OUT + head[:, None] * head_dim + dims[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty),
                  mask=in_head)
 
-    @triton.jit(do_not_specialize=["stride_qb", "stride_kb", "stride_vb", "total", "chunk", "splits"])
+    @triton.jit(do_not_specialize=["stride_qb", "stride_kb", "stride_vb", "stride_cb", "stride_ksb", "stride_ksn",
+                                   "stride_vsb", "stride_vsn", "total", "coded", "chunk", "splits"])
     def _folded_decode(
-        Q, K, V, SLOT_HEAD, VALID, PART_MAX, PART_SUM, PART_OUTPUT, LOGITS,
+        Q, K, V, KC, KS, KM, VC, VS, VM, SLOT_HEAD, VALID, PART_MAX, PART_SUM, PART_OUTPUT, LOGITS,
         stride_qb, stride_qh, stride_kb, stride_kn, stride_vb, stride_vn,
-        kv_heads, groups, total, head_dim, chunk, splits, scale,
-        HAS_VALID: tl.constexpr, SCORES: tl.constexpr, UPCAST: tl.constexpr,
+        stride_cb, stride_cn, stride_ksb, stride_ksn, stride_vsb, stride_vsn,
+        kv_heads, groups, total, coded, head_dim, chunk, splits, scale,
+        HAS_VALID: tl.constexpr, SCORES: tl.constexpr, UPCAST: tl.constexpr, BITS: tl.constexpr,
+        KEY_GROUP: tl.constexpr, VALUE_GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         split, pair, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -212,6 +249,8 @@ if triton is not None:
                     mask=real[:, None] & in_head[None, :], other=0.0)
         k_base = K + batch.to(tl.int64) * stride_kb
         v_base = V + batch.to(tl.int64) * stride_vb
+        codes_at = batch.to(tl.int64) * stride_cb  # a quantized layer's codes (BITS 8 or 4) and their scales
+        key_scales_at, value_scales_at = batch.to(tl.int64) * stride_ksb, batch.to(tl.int64) * stride_vsb
         slot_base = batch.to(tl.int64) * total
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -227,8 +266,9 @@ if triton is not None:
             if HAS_VALID:
                 mine = mine & (tl.load(VALID + slot_base + slot, mask=inside, other=0) != 0)
             if tl.max(mine.to(tl.int32), 0) > 0:  # another head's stretch: nothing to read
-                k = tl.load(k_base + slot[None, :] * stride_kn + dims[:, None], mask=mine[None, :] & in_head[:, None],
-                            other=0.0)
+                k = _load_slots(k_base, KC + codes_at, KS + key_scales_at, KM + key_scales_at, slot[None, :],
+                                dims[:, None], mine[None, :] & in_head[:, None], stride_kn, stride_cn, stride_ksn,
+                                coded, BITS, KEY_GROUP)
                 logits = tl.where(mine[None, :], _dot(q, k, UPCAST) * scale, float("-inf"))
                 if SCORES:
                     tl.store(LOGITS + (batch * groups + row[:, None]).to(tl.int64) * total + slot[None, :], logits,
@@ -238,8 +278,9 @@ if triton is not None:
                 p = tl.exp2(logits - shift[:, None])
                 alpha = tl.exp2(m_i - shift)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_base + slot[:, None] * stride_vn + dims[None, :], mask=mine[:, None] & in_head[None, :],
-                            other=0.0)
+                v = _load_slots(v_base, VC + codes_at, VS + value_scales_at, VM + value_scales_at, slot[:, None],
+                                dims[None, :], mine[:, None] & in_head[None, :], stride_vn, stride_cn, stride_vsn,
+                                coded, BITS, VALUE_GROUP)
                 acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
                 m_i = m_new
         part = (pair * splits + split) * groups + row

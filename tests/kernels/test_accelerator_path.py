@@ -90,3 +90,27 @@ def test_padded_batch_keeps_the_slots_of_the_torch_path(triton_path, method, ove
     for index, (positions, valid) in slots.items():
         assert torch.equal(valid, expected_slots[index][1])
         assert torch.equal(positions[valid], expected_slots[index][0][valid])
+
+
+def test_a_quantized_cache_decodes_as_on_the_torch_path(triton_path, monkeypatch):
+    """KVzip's head-wise cache with its kept slots in 4 bits (``kv_bits``): the folded decode kernel reads the codes
+    of the slots older than the full-precision residual; the torch path reads them dequantized. The same tokens."""
+    model = tiny_model("llama")
+    ids = random_tokens(32, batch=2, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ids[1, :7] = 0
+    quantized = dict(budget_allocation="global_adaptive", kv_bits=4, kv_key_group_size=8, kv_value_group_size=16,
+                     kv_residual=2)
+    triton_path(False)
+    expected, _ = _run(model, "kvzip", 0.25, ids, mask, **quantized)
+    calls = triton_path(True)
+    read_codes = []
+    operands = attention.triton_attention._code_operands
+    monkeypatch.setattr(attention.triton_attention, "_code_operands",
+                        lambda coded, *args: read_codes.append(coded is not None) or operands(coded, *args))
+    got, _ = _run(model, "kvzip", 0.25, ids, mask, **quantized)
+    assert "folded decode" in calls and any(read_codes)
+    assert torch.equal(got.sequences, expected.sequences)
+    for expected_logits, logits in zip(expected.logits, got.logits):
+        torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)

@@ -1,14 +1,16 @@
 """Attention over a quantized layer reads its codes: the compiled kernel dequantizes the coded slots as it reads
-them (``kernels/fused_attention.cpp``), with no full-precision copy of the layer; every other path reads the
-dequantized tensors. Each path on codes is held to attention on the dequantized tensors (the same values) and to a
-float64 eager reference, for decode steps (one chunk per pair, several, a folded layer's) and multi-query
-forwards (direct products, and oneDNN's packed bfloat16 products where the CPU has them)."""
+them (``kernels/fused_attention.cpp``), with no full-precision copy of the layer, and so do the Triton kernels
+(the multi-query pass and the folded decode step); the torch path reads the dequantized tensors. Each path on
+codes is held to attention on the dequantized tensors (the same values) and to a float64 eager reference, for
+decode steps (one chunk per pair, several, a folded layer's) and multi-query forwards (direct products, and
+oneDNN's packed bfloat16 products where the CPU has them).
+"""
 
 import pytest
 import torch
 
 from kvcompress import compress
-from kvcompress.kernels import attention, native
+from kvcompress.kernels import attention, native, triton_attention
 from kvcompress.quantization import CodedSlots, dequantize, quantize
 from kvcompress.ragged import folded_attention
 from tiny_models import random_tokens, tiny_model
@@ -89,6 +91,52 @@ def test_a_folded_decode_step_reads_its_codes(bits):
     on_dense = folded_attention(query, keys, values, valid, heads, kv_heads, 0.3, observed=observed)
     for got, expected in zip(on_codes, on_dense):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not triton_attention.supports(torch.ones(1), torch.ones(1), None),
+                    reason="Triton's kernels serve no device here (uninstalled, or not interpreted)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_triton_folded_decode_reads_its_codes(bits, dtype):
+    """The accelerators' folded decode kernel (interpreted on CPU): the coded slots dequantized in the kernel's
+    tiles, a block of slots holding both coded and held ones, against the kernel on the dequantized slots."""
+    coded, (keys, values) = _layer(dtype, bits, slots=70, coded=41, kv_heads=1)
+    heads = torch.zeros(2, 70, dtype=torch.long)
+    heads[:, 20:45] = 1
+    heads[:, 50::2] = 1
+    valid = torch.ones(2, 70, dtype=torch.bool)
+    valid[0, 3] = False
+    query = torch.randn(2, 4, 1, 32).to(dtype)
+    observed = torch.ones(2, 1, dtype=torch.bool)
+    on_codes = triton_attention.folded_decode(query, coded.held_keys, coded.held_values, valid, heads, 2, 0.3,
+                                              observed, coded=coded)
+    on_dense = triton_attention.folded_decode(query, keys, values, valid, heads, 2, 0.3, observed)
+    # bfloat16: the kernel rounds its dequantized tiles as Triton's conversion does (the interpreter's, here), the
+    # read-back as torch does: an output may differ by its rounding
+    tolerance = 1e-5 if dtype == torch.float32 else 0.03
+    for got, expected in zip(on_codes, on_dense):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not triton_attention.supports(torch.ones(1), torch.ones(1), None),
+                    reason="Triton's kernels serve no device here (uninstalled, or not interpreted)")
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_triton_scoring_pass_reads_its_codes(bits, reduce):
+    """The accelerators' multi-query pass (interpreted on CPU): its forward and its column pass both read the
+    codes, against the same kernels on the dequantized slots and float64."""
+    coded, (keys, values) = _layer(torch.float32, bits, slots=90, coded=61)
+    queries = torch.randn(2, 4, 9, 32)
+    valid = torch.ones(2, 90, dtype=torch.bool)
+    valid[1, :5] = False
+    observed = torch.ones(2, 9, dtype=torch.bool)
+    on_codes = triton_attention.fused_attention(queries, coded.held_keys, coded.held_values, 0.3, valid, observed,
+                                                maximum=reduce == "max", coded=coded)
+    on_dense = triton_attention.fused_attention(queries, keys, values, 0.3, valid, observed, maximum=reduce == "max")
+    for got, expected in zip(on_codes, on_dense):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    output, _ = _reference(queries, keys, values, valid, 0.3)
+    torch.testing.assert_close(on_codes[1].double(), output, rtol=1e-5, atol=1e-5)
 
 
 def test_the_torch_path_reads_the_dequantized_slots(monkeypatch):
