@@ -33,7 +33,8 @@ def compile_report(head_dims: list[int]) -> list[dict]:
     """One row per kernel, dtype, head dimension and architecture."""
     cases = ahead_of_time.widest_launches(tuple(head_dims))
     results = ahead_of_time.compile_all(cases, depth="cubin")
-    return [dict(kernel=case["kernel"], dtype=case["dtype"], head_dim=case["constexprs"]["BLOCK_D"],
+    return [dict(kernel=case["kernel"], bits=case["constexprs"].get("BITS", 16), dtype=case["dtype"],
+                 head_dim=case["constexprs"]["BLOCK_D"],
                  architecture=case["target"], limit=triton_blocks.shared_memory(divmod(case["target"], 10)),
                  warps=case["warps"], stages=case["stages"],
                  blocks={name: value for name, value in case["constexprs"].items() if name.startswith("BLOCK")},
@@ -47,6 +48,7 @@ def markdown(rows: list[dict], seconds: float) -> str:
     lines = ["# Triton kernels compiled ahead of time", "",
              f"`python benchmarks/gpu/compile_report.py --out results/gpu` ({seconds:.0f} s on this machine's CPU, "
              f"Triton {triton.__version__}): each kernel at its widest launch (every flag that adds a tile on), "
+             "without codes and reading a quantized layer's 8-bit codes, "
              "through Triton's own ptxas. A cell: shared memory per block in bytes (share of the architecture's "
              "limit), registers per thread, bytes spilled per thread (stores). Limits: "
              + ", ".join(f"sm_{a} {triton_blocks.shared_memory(divmod(a, 10)):,} B" for a in architectures) + ".", ""]
@@ -54,14 +56,15 @@ def markdown(rows: list[dict], seconds: float) -> str:
         header = " | ".join(f"sm_{architecture}" for architecture in architectures)
         lines += [f"## Head dimension {head_dim}", "", f"| kernel | dtype | rows × keys, warps, stages | {header} |",
                   "|---|---|---|" + "---:|" * len(architectures)]
-        keyed = {(row["kernel"], row["dtype"], row["architecture"]): row
+        keyed = {(row["kernel"], row["bits"], row["dtype"], row["architecture"]): row
                  for row in rows if row["head_dim"] == head_dim}
-        for kernel, dtype in dict.fromkeys((kernel, dtype) for kernel, dtype, _ in keyed):
-            first = keyed[(kernel, dtype, architectures[0])]
+        for kernel, bits, dtype in dict.fromkeys(key[:3] for key in keyed):
+            first = keyed[(kernel, bits, dtype, architectures[0])]
             blocks = " × ".join(str(first["blocks"][name]) for name in ("BLOCK_M", "BLOCK_N")
                                 if name in first["blocks"])
-            cells = [cell(keyed[(kernel, dtype, architecture)]) for architecture in architectures]
-            lines.append(f"| `{kernel}` | {dtype} | {blocks}, {first['warps']} w, {first['stages']} s | "
+            cells = [cell(keyed[(kernel, bits, dtype, architecture)]) for architecture in architectures]
+            name = f"`{kernel}`" + (f", {bits}-bit codes" if bits != 16 else "")
+            lines.append(f"| {name} | {dtype} | {blocks}, {first['warps']} w, {first['stages']} s | "
                          + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
