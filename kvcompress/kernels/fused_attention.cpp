@@ -486,13 +486,15 @@ std::vector<Columns<T>> columns_of_own_slots(const Operands<T>& o, int64_t b, in
       pending = end;
       continue;
     }
+    if (!held(first)) {  // coded slots, consecutive: dequantized as one run
+      o.key_codes.read(b, kv, n0 + index[first], end - first, o.head_dim, gathered_keys + copied * o.head_dim);
+      o.value_codes.read(b, kv, n0 + index[first], end - first, o.value_dim, gathered_values + copied * o.value_dim);
+      copied += end - first;
+      continue;
+    }
     for (int64_t j = first; j < end; ++j, ++copied) {
-      T* key = gathered_keys + copied * o.head_dim;
-      T* value = gathered_values + copied * o.value_dim;
-      const T* key_read = o.key_row(b, kv, n0 + index[j], key);
-      const T* value_read = o.value_row(b, kv, n0 + index[j], value);
-      if (key_read != key) std::copy_n(key_read, o.head_dim, key);
-      if (value_read != value) std::copy_n(value_read, o.value_dim, value);
+      std::copy_n(o.key_row(b, kv, n0 + index[j], nullptr), o.head_dim, gathered_keys + copied * o.head_dim);
+      std::copy_n(o.value_row(b, kv, n0 + index[j], nullptr), o.value_dim, gathered_values + copied * o.value_dim);
     }
   }
   flush(m);
