@@ -86,8 +86,8 @@ class Forward:
         attention output in the same pass (H2O and decode steps, KVzip's reconstruction), the original function
         does not run. Training-mode calls (dropout) and calls that return attention weights always keep the
         original function for the output. Of a quantized layer, ``key`` and ``value`` hold the slots kept in full
-        precision, after the oldest ones only codes hold (``layer.coded_slots``): the compiled kernel reads those
-        codes, every other path a full-precision copy of them.
+        precision, after the oldest ones only codes hold (``layer.coded_slots``): the compiled and Triton kernels
+        read those codes, the torch path and the model's own function a full-precision copy of them.
         """
         started = time.perf_counter()
         layer = self.cache.layers[module.layer_idx]

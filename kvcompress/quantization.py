@@ -129,7 +129,7 @@ class QuantizedKV:
         coded = self.coded(residual_keys, residual_values)
         return (residual_keys, residual_values) if coded is None else coded.dense()
 
-    def coded(self, residual_keys: torch.Tensor, residual_values: torch.Tensor) -> "CodedSlots | None":
+    def coded(self, residual_keys: torch.Tensor, residual_values: torch.Tensor) -> CodedSlots | None:
         """The slots before the full-precision ``residual_keys`` / ``residual_values`` (the newest slots), which
         only codes hold, as attention reads them; None where the full-precision tensors hold every slot."""
         older = self.slots - residual_keys.shape[-2]
@@ -160,9 +160,10 @@ class QuantizedKV:
 class CodedSlots:
     """A quantized layer's keys and values as one attention call reads them: its oldest ``count`` slots, which only
     codes hold (the first ``count`` of ``keys`` / ``values``), then the full-precision ``held_keys`` /
-    ``held_values`` (B, H_kv, T - count, d) the cache's update returned. The compiled CPU kernel dequantizes the
-    coded slots as it reads them (``kernels/fused_attention.cpp``), so that no full-precision copy of the layer is
-    made; every other path reads ``dense()``, made once."""
+    ``held_values`` (B, H_kv, T - count, d) the cache's update returned. The compiled CPU kernel and the Triton
+    kernels dequantize the coded slots as they read them (``kernels/fused_attention.cpp``,
+    ``kernels/triton_kernels.py``), so that no full-precision copy of the layer is made; the torch path reads
+    ``dense()``, made once."""
 
     keys: PackedSlots
     values: PackedSlots
@@ -184,8 +185,8 @@ class CodedSlots:
         return self._dense
 
     def kernel_operands(self, heads: int) -> list[torch.Tensor]:
-        """Codes, scales and minimums of the keys, then of the values, as the compiled kernel takes them: a folded
-        layer's one row (B, 1, S, ...) expanded to ``heads`` KV heads (a view), as its keys are."""
+        """Codes, scales and minimums of the keys, then of the values, as the kernels take them: a folded layer's
+        one row (B, 1, S, ...) expanded to ``heads`` KV heads (a view) where asked, as its keys are."""
         tensors = [*self.keys.tensors().values(), *self.values.tensors().values()]
         return [tensor.expand(-1, heads, -1, -1) if tensor.shape[1] != heads else tensor for tensor in tensors]
 

@@ -39,10 +39,10 @@ HEAD_DIMS = (64, 128, 256)
 def launches(dtype: torch.dtype, head_dim: int, every_flag: bool = False) -> list[dict]:
     """The launches the wrappers make for ``dtype`` inputs of ``head_dim``, as compile cases (without a target):
     with ``every_flag`` each combination of the kernels' flags, else the widest, with every flag that adds a tile
-    on (HAS_VALID, HAS_OBSERVED, NEED_OUTPUT, SCORES; MAXIMUM, a maximum over the tile a sum reduces, adds none),
-    each without codes and with 8-bit ones, whose tiles of codes are wider than 4-bit ones' (the forward then
-    pipelines one stage fewer: either may need more). Codes in the default groups (``parameters``: 32 channels of a
-    key, 64 of a value)."""
+    on (HAS_VALID, HAS_OBSERVED, NEED_OUTPUT, SCORES; MAXIMUM, a maximum over the tile a sum reduces, adds none) and
+    8-bit codes, whose tiles are wider than 4-bit ones' and add to the launch without codes: that one too only where
+    the coded launch pipelines fewer stages (the half-precision forward), so that either may need more. Codes in
+    the default groups (``parameters``: 32 channels of a key, 64 of a value)."""
     choices = (False, True) if every_flag else (True,)
     codes = [dict(bits=bits, key_group=32, value_group=64) for bits in ((16, 8, 4) if every_flag else (16, 8))]
     found = {}
@@ -53,6 +53,10 @@ def launches(dtype: torch.dtype, head_dim: int, every_flag: bool = False) -> lis
     for valid, scores in itertools.product(choices, repeat=2):
         for code in codes:
             found.update(dict.fromkeys(triton_blocks.decode_launches(head_dim, dtype, valid, scores, **code)))
+    if not every_flag:
+        coded = {(launch.kernel, launch.warps, launch.stages) for launch in found if launch.constexprs.get("BITS") == 8}
+        found = {launch: None for launch in found if launch.constexprs.get("BITS") != 16
+                 or (launch.kernel, launch.warps, launch.stages) not in coded}
     return [asdict(launch) | dict(dtype=DTYPES[dtype]) for launch in found]
 
 
