@@ -209,15 +209,8 @@ struct CodedRows {
   template <typename T>
   void read(int64_t b, int64_t h, int64_t n0, int64_t count, int64_t dim, T* out) const {
     const int64_t scale_at = b * sSB + h * sSH + n0 * sSN;
-    const uint8_t* code = codes + b * cSB + h * cSH + n0 * cSN;
-    if constexpr (std::is_same_v<T, float>) {
-      dequantize_run(code, scales + scale_at, minimums + scale_at, bits, dim, groups, count, cSN, sSN, out);
-    } else {  // float32 first, then narrowed in one vectorised pass
-      thread_local std::vector<float> rows;
-      if (rows.size() < static_cast<size_t>(count * dim)) rows.resize(count * dim);
-      dequantize_run(code, scales + scale_at, minimums + scale_at, bits, dim, groups, count, cSN, sSN, rows.data());
-      at::vec::convert(rows.data(), out, count * dim);
-    }
+    dequantize_run_as(codes + b * cSB + h * cSH + n0 * cSN, scales + scale_at, minimums + scale_at, bits, dim,
+                      groups, count, cSN, sSN, out);
   }
 };
 

@@ -31,21 +31,11 @@ void dequantize_rows(const uint8_t* codes, const at::Half* scales, const at::Hal
                      int64_t out_slots) {
   const int64_t bytes = dim * bits / 8;
   at::parallel_for(0, outer * slots, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> rows;  // float32 slots, then narrowed in one vectorised pass
     for (int64_t index = begin; index < end;) {  // runs of slots within one of the leading dimensions
       const int64_t o = index / slots, t = index % slots, count = std::min(end - index, slots - t);
       const int64_t slot = o * stored + t;
-      T* target = out + (o * out_slots + t) * dim;
-      float* y = nullptr;
-      if constexpr (std::is_same_v<T, float>) {
-        y = target;
-      } else {
-        rows.resize(count * dim);
-        y = rows.data();
-      }
-      dequantize_run(codes + slot * bytes, scales + slot * groups, minimums + slot * groups, bits, dim, groups, count,
-                     bytes, groups, y);
-      if constexpr (!std::is_same_v<T, float>) at::vec::convert(y, target, count * dim);
+      dequantize_run_as(codes + slot * bytes, scales + slot * groups, minimums + slot * groups, bits, dim, groups,
+                        count, bytes, groups, out + (o * out_slots + t) * dim);
       index += count;
     }
   });

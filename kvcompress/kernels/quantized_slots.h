@@ -5,10 +5,15 @@
 
 #pragma once
 
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -22,7 +27,8 @@
 namespace quantized_slots {
 
 // Codes [0, n) of a group as floats (n: the vector's lanes) times s plus m, into y: AVX-512 or AVX2 where the
-// build has them (4-bit codes: each byte twice, then each lane shifted by 0 or 4 bits), one by one otherwise.
+// build has them (4-bit codes: each byte twice, then each lane shifted by 0 or 4 bits); without them, none
+// (every channel one by one, dequantize_run's tail).
 // Left to the compiler, loops of a group's length (known only at run time) ran at a fifth of this speed with
 // 4-bit codes.
 #if defined(__AVX512F__)
@@ -56,10 +62,7 @@ inline void dequantize_lanes(const uint8_t* code, int64_t bits, float s, float m
   _mm256_storeu_ps(y, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(s)), _mm256_set1_ps(m)));
 }
 #else
-constexpr int64_t kLanes = 1;
-inline void dequantize_lanes(const uint8_t* code, int64_t bits, float s, float m, float* y) {
-  *y = static_cast<float>(bits == 8 ? *code : *code & 0x0F) * s + m;  // one lane: a 4-bit code's low nibble
-}
+constexpr int64_t kLanes = 0;
 #endif
 
 }  // namespace quantized_slots
@@ -71,16 +74,17 @@ inline void dequantize_run(const uint8_t* code, const at::Half* scale, const at:
                            float* y) {
   using quantized_slots::kLanes;
   const int64_t group = dim / groups;
-  // whole vectors of a group; with one lane, only 8-bit codes (a 4-bit lane would need its nibble)
-  const int64_t whole = kLanes == 1 && bits == 4 ? 0 : group / kLanes * kLanes;
+  const int64_t whole = kLanes == 0 ? 0 : group - group % std::max<int64_t>(kLanes, 1);  // whole vectors of it
   for (int64_t r = 0; r < count; ++r, code += code_stride, scale += scale_stride, minimum += scale_stride,
                y += dim) {
     for (int64_t g = 0; g < groups; ++g) {
       const float s = static_cast<float>(scale[g]), m = static_cast<float>(minimum[g]);
       float* yg = y + g * group;
+#if defined(__AVX2__) || defined(__AVX512F__)
       for (int64_t c = 0; c < whole; c += kLanes) {
         quantized_slots::dequantize_lanes(code + (g * group + c) * bits / 8, bits, s, m, yg + c);
       }
+#endif
       for (int64_t c = whole; c < group; ++c) {  // the group's last channels, one by one
         const int64_t at = g * group + c;
         const int value = bits == 8 ? code[at] : (code[at / 2] >> (4 * (at % 2))) & 0x0F;
@@ -91,3 +95,18 @@ inline void dequantize_run(const uint8_t* code, const at::Half* scale, const at:
 }
 
 #pragma GCC pop_options
+
+// The same slots into `out` in T: float32 in place, else through a float32 buffer of the thread's, narrowed in one
+// vectorised pass.
+template <typename T>
+void dequantize_run_as(const uint8_t* code, const at::Half* scale, const at::Half* minimum, int64_t bits, int64_t dim,
+                       int64_t groups, int64_t count, int64_t code_stride, int64_t scale_stride, T* out) {
+  if constexpr (std::is_same_v<T, float>) {
+    dequantize_run(code, scale, minimum, bits, dim, groups, count, code_stride, scale_stride, out);
+  } else {
+    thread_local std::vector<float> rows;
+    if (rows.size() < static_cast<size_t>(count * dim)) rows.resize(count * dim);
+    dequantize_run(code, scale, minimum, bits, dim, groups, count, code_stride, scale_stride, rows.data());
+    at::vec::convert(rows.data(), out, count * dim);
+  }
+}
